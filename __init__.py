@@ -1,0 +1,13 @@
+"""H3 Fused NVFP4: exact fused NVFP4 kernels for MiniMax H3 in ComfyUI.
+
+ComfyUI calls :func:`comfy_entrypoint` (V3 node API). Everything ComfyUI-specific is imported lazily so
+that the kernels and references can be used and tested without ComfyUI.
+"""
+
+__version__ = "0.1.0"
+
+
+async def comfy_entrypoint():
+    from .nodes import H3FusedNVFP4Extension
+
+    return H3FusedNVFP4Extension()

@@ -1,0 +1,184 @@
+// Shared device code of the fused NVFP4 kernels: bf16 helpers, the exact "16 values -> block scale + codes"
+// routine, E2M1 conversion and the swizzled block-scale layout.
+//
+// Exactness contract: every operation whose result can change a bit of the packed output is written as the
+// same PTX instruction that comfy-kitchen's quantize_nvfp4 kernel compiles to (nvcc --use_fast_math):
+//   a  = max.bf16(abs.bf16(x_i))                           NaN operands skipped
+//   d  = div.approx.ftz(div.approx.ftz(float(a), 6.0), g)
+//   d  = min.ftz(d, 448)                                   NaN -> 448
+//   s8 = cvt.rn.satfinite.e4m3x2(d)
+//   e  = min.ftz(rcp.approx.ftz(mul.ftz(g, float(s8))), FLT_MAX)
+//   q  = cvt.rn.satfinite.e2m1x2(mul.ftz(e, x_i))          software RNE on sm_90 (no e2m1 instruction)
+// The Python twin of this routine is reference/nvfp4.py; keep the two in step.
+//
+// Everything else (the elementwise prologues in nvfp4_pack.cu) reproduces PyTorch's own CUDA arithmetic and is
+// compiled WITHOUT fast math: plain IEEE fp32 with denormals, explicit _rn intrinsics so nothing is contracted.
+//
+// The file is self-contained (no CUDA headers) so that NVRTC can compile it on a machine without a toolkit.
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+typedef int i32;
+
+#define NVFP4_DEVICE static __device__ __forceinline__
+
+// ---- bf16 <-> fp32 ---------------------------------------------------------------------------------------
+
+NVFP4_DEVICE float bf16_to_f32(u16 v) { return __uint_as_float(((u32)v) << 16); }
+NVFP4_DEVICE float bf16_lo(u32 pair) { return __uint_as_float(pair << 16); }
+NVFP4_DEVICE float bf16_hi(u32 pair) { return __uint_as_float(pair & 0xFFFF0000u); }
+
+// Round to nearest even, NaN -> canonical NaN: the instruction torch's c10::BFloat16(float) uses on CUDA.
+NVFP4_DEVICE u16 f32_to_bf16(float f) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+NVFP4_DEVICE u32 pack_bf16x2(float lo, float hi) {
+    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
+}
+
+// ---- 16-byte global loads/stores -------------------------------------------------------------------------
+
+struct u32x4 { u32 x, y, z, w; };
+
+NVFP4_DEVICE u32x4 load_16B(const void* p) {
+    u32x4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+// Streaming variant for data read exactly once (keeps L2 for the tensors that are re-read).
+NVFP4_DEVICE u32x4 load_16B_stream(const void* p) {
+    u32x4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+NVFP4_DEVICE void store_16B(void* p, u32x4 v) {
+    asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+// ---- absmax ----------------------------------------------------------------------------------------------
+
+// max.bf16 semantics (comfy-kitchen's __hmax): a NaN operand is ignored, two NaNs give NaN.
+NVFP4_DEVICE u32 bf16x2_absmax(u32 a, u32 b) {
+    u32 r;
+    asm("{ .reg .b32 ta, tb;\n"
+        "  abs.bf16x2 ta, %1;\n"
+        "  abs.bf16x2 tb, %2;\n"
+        "  max.bf16x2 %0, ta, tb; }" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+NVFP4_DEVICE u32 bf16x2_max(u32 a, u32 b) {
+    u32 r;
+    asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+// Max of the two halves of a bf16x2, as a bf16 in the low half.
+NVFP4_DEVICE u16 bf16x2_hmax(u32 v) {
+    u16 r;
+    asm("{ .reg .b16 lo, hi;\n"
+        "  mov.b32 {lo, hi}, %1;\n"
+        "  max.bf16 %0, lo, hi; }" : "=h"(r) : "r"(v));
+    return r;
+}
+
+// torch.amax semantics for the global scale: NaN wins. On |x| bit patterns (sign cleared) an unsigned
+// compare orders every NaN above +inf, so an integer max is exact and NaN-propagating.
+NVFP4_DEVICE u32 abs_bits_max_x2(u32 acc, u32 pair) { return __vmaxu2(acc, pair & 0x7FFF7FFFu); }
+
+// ---- the block quantizer ---------------------------------------------------------------------------------
+
+struct BlockScale {
+    u8 byte;        // e4m3 block scale
+    float encode;   // multiplier applied to each element before the E2M1 conversion
+};
+
+// Block scale and encode multiplier from the block absmax (bf16 bits) and the global decode scale g.
+NVFP4_DEVICE BlockScale block_scale_from_absmax(u16 absmax_bf16, float g) {
+    BlockScale out;
+    float a = bf16_to_f32(absmax_bf16);
+    float d, s;
+    u16 packed;
+    u32 halves;
+    asm("{ .reg .f32 t;\n"
+        "  div.approx.ftz.f32 t, %1, 0f40C00000;\n"  // / 6.0
+        "  div.approx.ftz.f32 t, t, %2;\n"           // / g
+        "  min.ftz.f32 %0, t, 0f43E00000; }"         // min(., 448)
+        : "=f"(d) : "f"(a), "f"(g));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(packed) : "f"(0.0f), "f"(d));
+    packed &= 0xFF;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(packed));
+    asm("{ .reg .b16 hb;\n"
+        "  cvt.u16.u32 hb, %1;\n"
+        "  cvt.f32.f16 %0, hb; }" : "=f"(s) : "r"(halves));
+    float e;
+    asm("{ .reg .f32 t;\n"
+        "  mul.ftz.f32 t, %1, %2;\n"
+        "  rcp.approx.ftz.f32 t, t;\n"
+        "  min.ftz.f32 %0, t, 0f7F7FFFFF; }"         // min(., FLT_MAX)
+        : "=f"(e) : "f"(g), "f"(s));
+    out.byte = (u8)packed;
+    out.encode = e;
+    return out;
+}
+
+NVFP4_DEVICE float mul_ftz(float a, float b) {
+    float r;
+    asm("mul.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM101_ALL) ||                        \
+    defined(__CUDA_ARCH_FEAT_SM103_ALL) || defined(__CUDA_ARCH_FEAT_SM110_ALL) ||                        \
+    defined(__CUDA_ARCH_FEAT_SM120_ALL) || defined(__CUDA_ARCH_FEAT_SM121_ALL)
+#define NVFP4_HW_E2M1 1
+#endif
+
+#ifndef NVFP4_HW_E2M1
+// Software cvt.rn.satfinite.e2m1 for GPUs without the instruction (sm_90): round to nearest even on the
+// magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}, saturate above 5, NaN -> +6, keep the sign of zero. The inputs
+// come from mul.ftz, so they are never subnormal. Same results as cuda_fp4.hpp's software path.
+NVFP4_DEVICE u32 e2m1_code_sw(float v) {
+    float m = fabsf(v);
+    u32 code = (m > 0.25f) + (m >= 0.75f) + (m > 1.25f) + (m >= 1.75f) + (m > 2.5f) + (m >= 3.5f) + (m > 5.0f);
+    if (m != m) return 7u;                       // NaN -> +6
+    return code | ((__float_as_uint(v) >> 28) & 8u);
+}
+#endif
+
+// Two codes in one byte: `first` (the even element) in the high nibble, as comfy-kitchen's hi_first=True.
+NVFP4_DEVICE u32 e2m1x2(float first, float second) {
+#ifdef NVFP4_HW_E2M1
+    u16 r;
+    asm("{ .reg .b8 t;\n"
+        "  cvt.rn.satfinite.e2m1x2.f32 t, %1, %2;\n"
+        "  mov.b16 %0, {t, 0}; }" : "=h"(r) : "f"(first), "f"(second));
+    return (u32)r & 0xFF;
+#else
+    return (e2m1_code_sw(first) << 4) | e2m1_code_sw(second);
+#endif
+}
+
+// 8 bf16 values (4 words, element 0 in the low half of word 0) scaled by `e` -> 8 codes in 4 bytes.
+NVFP4_DEVICE u32 encode8(const u32 w[4], float e) {
+    u32 out = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        u32 byte = e2m1x2(mul_ftz(e, bf16_lo(w[i])), mul_ftz(e, bf16_hi(w[i])));
+        out |= byte << (8 * i);
+    }
+    return out;
+}
+
+// ---- swizzled block-scale layout (must match reference/nvfp4.py::swizzled_scale_offset) -------------------
+// cuBLASLt's 1x16 block-scale layout: 128-row x 4-column tiles of 512 bytes; inside a tile, row r sits at
+// (r % 32) * 16 + (r % 128) / 32 * 4 and column c at c % 4.
+NVFP4_DEVICE u64 swizzled_scale_offset(u64 row, u64 col, u64 padded_scale_cols) {
+    return ((row / 128) * (padded_scale_cols / 4) + col / 4) * 512 + (row % 32) * 16 + ((row % 128) / 32) * 4 + col % 4;
+}

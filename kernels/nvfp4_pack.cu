@@ -1,0 +1,279 @@
+// Fused NVFP4 activation packing for the MiniMax H3 block: global-scale reduction, pack, gated residual.
+//
+// Math. Every kernel reads its activation through a *source* that may apply the elementwise op that
+// ComfyUI runs right before the quantized Linear, so that op's output never goes to memory:
+//   PlainSource     h = x                                             (out_proj input, generic layers)
+//   ModulateSource  h = bf16(bf16(x * bf16(1 + scale[m])) + shift[m]) (adaLN modulation, qkv_proj / fc1 input)
+//   SwigluSource    h = bf16(bf16(silu(gate)) * up)                   (fc1 output -> fc2 input)
+// with m = mod_index[row] the adaLN modulation row of the token. Each bf16() is one round-to-nearest-even,
+// exactly where PyTorch rounds in ComfyUI's stock ops (mul_, add_, silu, mul_), and the fp32 arithmetic
+// between them is IEEE (this file is compiled without fast math; _rn intrinsics prevent contraction).
+//
+//   nvfp4_absmax_*   one pass over h: amax|h| (NaN wins, as torch.amax), then the LAST CTA to finish turns
+//                    it into the global scale g = fp32(bf16(amax * fp32(1/2688))) and the GEMM alpha
+//                    g * weight_scale_2, writes both to device memory and re-arms the workspace. One launch,
+//                    no host sync: the pack kernel and the GEMM read g / alpha from memory.
+//   nvfp4_pack_*     one pass over h: block scales + E2M1 codes (nvfp4_common.cuh), every padding byte written
+//                    here (pad rows of qdata, pad rows and columns of the scales), so no zero-fill launch.
+//   h3_gated_residual  x[r] += other[r] * gate[m]  in place (ComfyUI's per-segment addcmul_).
+//
+// Thread mapping of the pack. The padded scale matrix has U = roundup(K/16, 4)/4 column groups per row; a
+// group covers 64 input columns and owns 4 contiguous scale bytes of the swizzled layout. One group is
+// handled by 8 consecutive lanes, each loading 8 bf16 (one 16-byte load): lanes 2j and 2j+1 form 16-block j
+// (absmax by one shuffle), lane 0 of the group gathers the 4 scale bytes and stores them as one word. A warp
+// thus reads 512 contiguous input bytes and writes 128 contiguous qdata bytes per step; each thread keeps
+// ITEMS independent steps in flight to cover HBM latency. Rows cover [0, roundup(roundup(M,16),128)):
+// rows in [M, roundup(M,16)) are packed from zeros (as comfy-kitchen pads them), rows beyond only get zero
+// scales.
+//
+// Requirements checked on the host (kernels/ops.py): K % 16 == 0, 16-byte aligned rows and tables.
+#include "nvfp4_common.cuh"
+
+#define ITEMS 4
+#define PACK_THREADS 256
+#define ABSMAX_THREADS 512
+
+struct SourceParams {
+    const u16* x;          // bf16 activation rows (SwiGLU: fc1 output, gate half first)
+    i64 x_row_stride;      // in elements
+    i64 rows;              // M
+    i64 cols;              // K, the packed width
+    i64 up_offset;         // SwiGLU: elements from gate[c] to up[c] within a row
+    const u16* mod_scale;  // bf16 adaLN scale rows (before the 1 +), row stride mod_row_stride
+    const u16* mod_shift;  // bf16 adaLN shift rows
+    i64 mod_row_stride;    // in elements
+    const i32* mod_index;  // modulation row of each token
+};
+
+struct PackParams {
+    SourceParams src;
+    const float* global_scale;  // g (dynamic: written by nvfp4_absmax_*, static: the layer's input_scale)
+    u8* qdata;                  // [rows16, K/2]
+    u8* scales;                 // [rows128, 4*U], swizzled
+    i64 rows16;
+    i64 rows128;
+    i64 groups;                 // U
+};
+
+struct AbsmaxParams {
+    SourceParams src;
+    u32* workspace;               // {amax bits, finished-CTA counter}; zero between launches
+    float* global_scale_out;      // g
+    float* alpha_out;             // g * weight_scale_2 (nullptr: not wanted)
+    const float* weight_scale_2;
+};
+
+struct GatedResidualParams {
+    u16* x;                 // residual stream, updated in place
+    i64 x_row_stride;
+    const u16* other;       // attention / MLP output
+    i64 other_row_stride;
+    const u16* gate;        // bf16 adaLN gate rows
+    i64 gate_row_stride;
+    const i32* mod_index;
+    i64 rows;
+    i64 cols;
+    i32 single_rounding;    // 1: fp32 fma(other, gate, x) (one rounding); 0: mul then add (two)
+};
+
+// ---- sources ---------------------------------------------------------------------------------------------
+
+struct PlainSource {
+    static __device__ __forceinline__ void load(const SourceParams& p, i64 row, i64 col, u32 w[4]) {
+        u32x4 v = load_16B_stream(p.x + row * p.x_row_stride + col);
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    }
+};
+
+// ComfyUI: h[a:b].mul_(1.0 + scale[m]).add_(shift[m]) with bf16 tensors.
+NVFP4_DEVICE float modulate_one(float h, float scale, float shift) {
+    float one_plus = bf16_to_f32(f32_to_bf16(__fadd_rn(1.0f, scale)));
+    float scaled = bf16_to_f32(f32_to_bf16(__fmul_rn(h, one_plus)));
+    return __fadd_rn(scaled, shift);  // rounded to bf16 by the caller
+}
+
+struct ModulateSource {
+    static __device__ __forceinline__ void load(const SourceParams& p, i64 row, i64 col, u32 w[4]) {
+        u32x4 x = load_16B_stream(p.x + row * p.x_row_stride + col);
+        i64 m = p.mod_index[row];
+        u32x4 s = load_16B(p.mod_scale + m * p.mod_row_stride + col);
+        u32x4 t = load_16B(p.mod_shift + m * p.mod_row_stride + col);
+        const u32 xs[4] = {x.x, x.y, x.z, x.w}, ss[4] = {s.x, s.y, s.z, s.w}, ts[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            w[i] = pack_bf16x2(modulate_one(bf16_lo(xs[i]), bf16_lo(ss[i]), bf16_lo(ts[i])),
+                               modulate_one(bf16_hi(xs[i]), bf16_hi(ss[i]), bf16_hi(ts[i])));
+        }
+    }
+};
+
+// torch's CUDA silu in fp32 opmath: x / (1 + expf(-x)), IEEE division, then rounded to bf16.
+NVFP4_DEVICE float silu_bf16(float x) {
+    return bf16_to_f32(f32_to_bf16(__fdiv_rn(x, __fadd_rn(1.0f, expf(-x)))));
+}
+
+struct SwigluSource {
+    static __device__ __forceinline__ void load(const SourceParams& p, i64 row, i64 col, u32 w[4]) {
+        const u16* base = p.x + row * p.x_row_stride + col;
+        u32x4 g = load_16B_stream(base);
+        u32x4 u = load_16B_stream(base + p.up_offset);
+        const u32 gs[4] = {g.x, g.y, g.z, g.w}, us[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            w[i] = pack_bf16x2(__fmul_rn(silu_bf16(bf16_lo(gs[i])), bf16_lo(us[i])),
+                               __fmul_rn(silu_bf16(bf16_hi(gs[i])), bf16_hi(us[i])));
+        }
+    }
+};
+
+// ---- global scale ----------------------------------------------------------------------------------------
+
+template <class Source>
+__device__ __forceinline__ void absmax_body(const AbsmaxParams& p) {
+    const SourceParams& s = p.src;
+    const u32 chunks_per_row = (u32)(s.cols / 8);
+    const u64 total = (u64)s.rows * chunks_per_row;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    u32 acc = 0;
+    for (u64 base = (u64)blockIdx.x * blockDim.x * ITEMS + threadIdx.x; base < total; base += stride * ITEMS) {
+        u32 w[ITEMS][4];
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+            u64 c = base + (u64)i * blockDim.x;
+            if (c < total) {
+                Source::load(s, (i64)(c / chunks_per_row), (i64)(c % chunks_per_row) * 8, w[i]);
+            } else {
+                w[i][0] = w[i][1] = w[i][2] = w[i][3] = 0;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+            acc = abs_bits_max_x2(acc, w[i][0]);
+            acc = abs_bits_max_x2(acc, w[i][1]);
+            acc = abs_bits_max_x2(acc, w[i][2]);
+            acc = abs_bits_max_x2(acc, w[i][3]);
+        }
+    }
+    u32 m = max(acc & 0xFFFFu, acc >> 16);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+
+    __shared__ u32 warp_max[ABSMAX_THREADS / 32];
+    __shared__ bool is_last;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) warp_max[warp] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 block_max = 0;
+        for (int i = 0; i < (int)(blockDim.x >> 5); ++i) block_max = max(block_max, warp_max[i]);
+        atomicMax(&p.workspace[0], block_max);
+        __threadfence();  // publish this CTA's max before counting it as finished
+        is_last = atomicAdd(&p.workspace[1], 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (is_last && threadIdx.x == 0) {
+        __threadfence();
+        u32 amax_bits = atomicExch(&p.workspace[0], 0u);
+        p.workspace[1] = 0;  // re-arm for the next launch on this stream
+        // torch: (amax_bf16 / 2688.0) -> bf16 computed as fp32(amax) * fp32(1/2688), then .to(float32)
+        float g = bf16_to_f32(f32_to_bf16(__fmul_rn(bf16_to_f32((u16)amax_bits), 1.0f / 2688.0f)));
+        p.global_scale_out[0] = g;
+        if (p.alpha_out) p.alpha_out[0] = __fmul_rn(g, p.weight_scale_2[0]);
+    }
+}
+
+// ---- pack ------------------------------------------------------------------------------------------------
+
+template <class Source>
+__device__ __forceinline__ void pack_body(const PackParams& p) {
+    const SourceParams& s = p.src;
+    const u32 lanes_per_row = (u32)(p.groups * 8);
+    const u64 total = (u64)p.rows128 * lanes_per_row;
+    const i64 blocks_per_row = s.cols / 16;
+    const i64 scale_cols = p.groups * 4;
+    const float g = p.global_scale[0];
+    const int lane = threadIdx.x & 31;
+    const u32 group_leader = (u32)lane & ~7u;
+
+    const u64 warps_total = (u64)gridDim.x * (blockDim.x >> 5);
+    const u64 warp_id = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    for (u64 chunk = warp_id; chunk * 32 * ITEMS < total; chunk += warps_total) {
+        u32 w[ITEMS][4];
+        i64 row[ITEMS], col[ITEMS];
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+            u64 t = chunk * 32 * ITEMS + (u64)i * 32 + lane;
+            row[i] = (i64)(t / lanes_per_row);
+            col[i] = (i64)(t % lanes_per_row) * 8;
+            if (t < total && row[i] < s.rows && col[i] < s.cols) {
+                Source::load(s, row[i], col[i], w[i]);
+            } else {
+                w[i][0] = w[i][1] = w[i][2] = w[i][3] = 0;  // padding rows are packed from zeros
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+            const u64 t = chunk * 32 * ITEMS + (u64)i * 32 + lane;
+            u32 pair_max = bf16x2_max(bf16x2_absmax(w[i][0], w[i][1]), bf16x2_absmax(w[i][2], w[i][3]));
+            u16 mine = bf16x2_hmax(pair_max);
+            u16 other = (u16)__shfl_xor_sync(0xFFFFFFFFu, (u32)mine, 1);
+            u16 block_absmax = bf16x2_hmax((u32)mine | ((u32)other << 16));
+            BlockScale bs = block_scale_from_absmax(block_absmax, g);
+
+            const bool in_cols = col[i] < s.cols;
+            const bool packed_row = row[i] < p.rows16;
+            u32 scale_byte = (in_cols && packed_row) ? (u32)bs.byte : 0u;
+            u32 b1 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 2);
+            u32 b2 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 4);
+            u32 b3 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 6);
+            if (t >= total) continue;
+            if (packed_row && in_cols) {
+                u32 codes = encode8(w[i], bs.encode);
+                *reinterpret_cast<u32*>(p.qdata + row[i] * (s.cols / 2) + col[i] / 2) = codes;
+            }
+            if ((u32)lane == group_leader) {
+                const i64 block_col = col[i] / 16;  // first of the group's 4 scale columns
+                u64 off = swizzled_scale_offset((u64)row[i], (u64)block_col, (u64)scale_cols);
+                *reinterpret_cast<u32*>(p.scales + off) = scale_byte | (b1 << 8) | (b2 << 16) | (b3 << 24);
+            }
+        }
+    }
+    (void)blocks_per_row;
+}
+
+// ---- gated residual --------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float gated_add(float x, float o, float gate, int single_rounding) {
+    return single_rounding ? __fmaf_rn(o, gate, x) : __fadd_rn(x, __fmul_rn(o, gate));
+}
+
+__device__ __forceinline__ void gated_residual_body(const GatedResidualParams& p) {
+    const u32 chunks_per_row = (u32)(p.cols / 8);
+    const u64 total = (u64)p.rows * chunks_per_row;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 c = (u64)blockIdx.x * blockDim.x + threadIdx.x; c < total; c += stride) {
+        const i64 row = (i64)(c / chunks_per_row), col = (i64)(c % chunks_per_row) * 8;
+        u16* xp = p.x + row * p.x_row_stride + col;
+        u32x4 x = load_16B(xp);
+        u32x4 o = load_16B_stream(p.other + row * p.other_row_stride + col);
+        u32x4 g = load_16B(p.gate + (i64)p.mod_index[row] * p.gate_row_stride + col);
+        const u32 xs[4] = {x.x, x.y, x.z, x.w}, os[4] = {o.x, o.y, o.z, o.w}, gs[4] = {g.x, g.y, g.z, g.w};
+        u32 r[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            r[i] = pack_bf16x2(gated_add(bf16_lo(xs[i]), bf16_lo(os[i]), bf16_lo(gs[i]), p.single_rounding),
+                               gated_add(bf16_hi(xs[i]), bf16_hi(os[i]), bf16_hi(gs[i]), p.single_rounding));
+        }
+        store_16B(xp, u32x4{r[0], r[1], r[2], r[3]});
+    }
+}
+
+// ---- entry points (one name per variant; kernels/runtime.py looks them up by name) -------------------------
+
+extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_plain(const AbsmaxParams p) { absmax_body<PlainSource>(p); }
+extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_modulate(const AbsmaxParams p) { absmax_body<ModulateSource>(p); }
+extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_swiglu(const AbsmaxParams p) { absmax_body<SwigluSource>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_plain(const PackParams p) { pack_body<PlainSource>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_modulate(const PackParams p) { pack_body<ModulateSource>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_swiglu(const PackParams p) { pack_body<SwigluSource>(p); }
+extern "C" __global__ void __launch_bounds__(256) h3_gated_residual(const GatedResidualParams p) { gated_residual_body(p); }

@@ -1,0 +1,265 @@
+"""Build and launch the CUDA kernels without a CUDA toolkit.
+
+The ``.cu`` sources in this folder are compiled at first use with NVRTC for the exact architecture of the GPU
+(``sm_<major><minor>a``: the arch-specific target enables sm_100+/sm_120+ instructions such as the E2M1
+conversion), cached on disk, loaded with the CUDA driver API and launched on torch's current stream.
+
+Only ``ctypes`` is used: NVRTC ships with CUDA-13 builds of torch (``nvidia/cu13/lib``) and the driver is
+``libcuda``, so the pack needs no compiler, no extra Python package and no build step at install time.
+
+Cache: ``$H3_FUSED_NVFP4_CACHE`` or ``~/.cache/h3_fused_nvfp4``; one cubin per (schema version, source and
+header digests, options, arch, NVRTC version), written atomically. An in-memory dict sits in front.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import hashlib
+import logging
+import os
+import pathlib
+import sys
+import tempfile
+import threading
+
+log = logging.getLogger("h3_fused_nvfp4")
+
+KERNEL_DIR = pathlib.Path(__file__).resolve().parent
+HEADERS = ("nvfp4_common.cuh",)
+SOURCES = ("nvfp4_pack.cu",)
+CACHE_SCHEMA = 1
+# Arch-specific targets we build for; sm_90a is the Hopper development target (software E2M1).
+SUPPORTED_ARCHS = ("sm_90a", "sm_100a", "sm_103a", "sm_110a", "sm_120a", "sm_121a")
+NVRTC_OPTIONS = ("--std=c++17",)  # no fast math: kernels spell out every approximate instruction in PTX
+
+
+class KernelBuildError(RuntimeError):
+    """NVRTC or the driver could not build or load a kernel; the caller falls back to ComfyUI's path."""
+
+
+# ---- library discovery -----------------------------------------------------------------------------------
+
+def _candidate_nvrtc_paths() -> list[str]:
+    paths: list[str] = []
+    for entry in sys.path:
+        for sub in ("nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib", "nvidia/cu12/lib"):
+            paths += sorted(glob.glob(os.path.join(entry, sub, "libnvrtc.so*")), reverse=True)
+            paths += sorted(glob.glob(os.path.join(entry, sub.replace("/lib", "/bin"), "nvrtc64_*.dll")), reverse=True)
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home:
+            paths += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")), reverse=True)
+            paths += sorted(glob.glob(os.path.join(home, "bin", "nvrtc64_*.dll")), reverse=True)
+    found = ctypes.util.find_library("nvrtc")
+    if found:
+        paths.append(found)
+    return [p for p in paths if not p.endswith((".alt.so", "builtins.so"))]
+
+
+_nvrtc = None
+_nvrtc_lock = threading.Lock()
+
+
+def nvrtc() -> ctypes.CDLL:
+    """The NVRTC shared library (raises KernelBuildError if none is found)."""
+    global _nvrtc
+    with _nvrtc_lock:
+        if _nvrtc is None:
+            errors = []
+            for path in _candidate_nvrtc_paths():
+                try:
+                    # NVRTC dlopens its builtins by soname; load the sibling copy first so that works without
+                    # LD_LIBRARY_PATH (pip-installed CUDA libraries are not on the loader path).
+                    for builtins in glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so.*")):
+                        if ".alt." not in builtins:
+                            ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+                    lib = ctypes.CDLL(path)
+                    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+                    _nvrtc = lib
+                    break
+                except OSError as exc:
+                    errors.append(f"{path}: {exc}")
+            if _nvrtc is None:
+                raise KernelBuildError("NVRTC not found (install a CUDA 13 build of torch); tried: " + "; ".join(errors))
+        return _nvrtc
+
+
+def nvrtc_version() -> tuple[int, int]:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _check_nvrtc(nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+    return major.value, minor.value
+
+
+def _check_nvrtc(result: int, what: str) -> None:
+    if result != 0:
+        raise KernelBuildError(f"{what} failed: {nvrtc().nvrtcGetErrorString(result).decode()}")
+
+
+# ---- compilation -----------------------------------------------------------------------------------------
+
+def _read(name: str) -> str:
+    return (KERNEL_DIR / name).read_text()
+
+
+def source_digest() -> str:
+    h = hashlib.sha256()
+    for name in HEADERS + SOURCES:
+        h.update(name.encode())
+        h.update(_read(name).encode())
+    return h.hexdigest()
+
+
+def cache_dir() -> pathlib.Path:
+    root = os.environ.get("H3_FUSED_NVFP4_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "h3_fused_nvfp4")
+    return pathlib.Path(root)
+
+
+def compile_cubin(arch: str, source: str = SOURCES[0]) -> bytes:
+    """Compile one source for ``arch`` (e.g. ``"sm_121a"``) with NVRTC and return the cubin bytes."""
+    lib = nvrtc()
+    prog = ctypes.c_void_p()
+    header_names = [h.encode() for h in HEADERS]
+    header_texts = [_read(h).encode() for h in HEADERS]
+    n = len(HEADERS)
+    _check_nvrtc(
+        lib.nvrtcCreateProgram(
+            ctypes.byref(prog), _read(source).encode(), source.encode(), n,
+            (ctypes.c_char_p * n)(*header_texts), (ctypes.c_char_p * n)(*header_names),
+        ),
+        "nvrtcCreateProgram",
+    )
+    try:
+        options = [f"--gpu-architecture={arch}".encode(), *[o.encode() for o in NVRTC_OPTIONS]]
+        result = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
+        if result != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            buf = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, buf)
+            raise KernelBuildError(f"NVRTC failed to compile {source} for {arch}:\n{buf.value.decode(errors='replace')}")
+        size = ctypes.c_size_t()
+        _check_nvrtc(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+        buf = ctypes.create_string_buffer(size.value)
+        _check_nvrtc(lib.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
+        return buf.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def cached_cubin(arch: str, source: str = SOURCES[0]) -> bytes:
+    key = hashlib.sha256(
+        repr((CACHE_SCHEMA, source, source_digest(), NVRTC_OPTIONS, arch, nvrtc_version())).encode()
+    ).hexdigest()[:32]
+    path = cache_dir() / f"{pathlib.Path(source).stem}-{arch}-{key}.cubin"
+    try:
+        return path.read_bytes()
+    except OSError:
+        pass
+    cubin = compile_cubin(arch, source)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(cubin)
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only home is not a reason to fail
+        log.debug("could not cache %s: %s", path, exc)
+    return cubin
+
+
+# ---- driver: load and launch -----------------------------------------------------------------------------
+
+_driver = None
+
+
+def driver() -> ctypes.CDLL:
+    global _driver
+    if _driver is None:
+        for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        else:
+            raise KernelBuildError("the CUDA driver library (libcuda) was not found")
+        lib.cuLaunchKernel.argtypes = [
+            ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+            ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ]
+        _check_cu(lib, lib.cuInit(0), "cuInit")
+        _driver = lib
+    return _driver
+
+
+def _check_cu(lib, result: int, what: str) -> None:
+    if result != 0:
+        msg = ctypes.c_char_p()
+        lib.cuGetErrorString(result, ctypes.byref(msg))
+        raise KernelBuildError(f"{what} failed: CUDA error {result} ({(msg.value or b'?').decode()})")
+
+
+def device_arch(device_index: int) -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return f"sm_{major}{minor}a"
+
+
+class Module:
+    """The compiled kernels of one source on one device."""
+
+    def __init__(self, device_index: int, source: str = SOURCES[0]):
+        import torch
+
+        self.device_index = device_index
+        self.arch = device_arch(device_index)
+        if self.arch not in SUPPORTED_ARCHS:
+            raise KernelBuildError(f"no kernels for {self.arch} (supported: {', '.join(SUPPORTED_ARCHS)})")
+        cubin = cached_cubin(self.arch, source)
+        lib = driver()
+        with torch.cuda.device(device_index):
+            torch.cuda.current_stream()  # makes the device's primary context current on this thread
+            self._context = ctypes.c_void_p()
+            _check_cu(lib, lib.cuCtxGetCurrent(ctypes.byref(self._context)), "cuCtxGetCurrent")
+            self._module = ctypes.c_void_p()
+            self._image = ctypes.create_string_buffer(cubin, len(cubin))
+            _check_cu(lib, lib.cuModuleLoadData(ctypes.byref(self._module), self._image), "cuModuleLoadData")
+        self._functions: dict[str, ctypes.c_void_p] = {}
+        self.sm_count = torch.cuda.get_device_properties(device_index).multi_processor_count
+
+    def function(self, name: str) -> ctypes.c_void_p:
+        fn = self._functions.get(name)
+        if fn is None:
+            fn = ctypes.c_void_p()
+            _check_cu(driver(), driver().cuModuleGetFunction(ctypes.byref(fn), self._module, name.encode()),
+                      f"cuModuleGetFunction({name})")
+            self._functions[name] = fn
+        return fn
+
+    def launch(self, name: str, grid: int, block: int, params: ctypes.Structure, stream_handle: int) -> None:
+        """Launch ``name`` with one by-value struct argument on the given raw CUDA stream (no sync)."""
+        lib = driver()
+        args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        result = lib.cuLaunchKernel(self.function(name), grid, 1, 1, block, 1, 1, 0, stream_handle, args, None)
+        if result == 201:  # CUDA_ERROR_INVALID_CONTEXT: a thread torch has not bound to this device yet
+            lib.cuCtxSetCurrent(self._context)
+            result = lib.cuLaunchKernel(self.function(name), grid, 1, 1, block, 1, 1, 0, stream_handle, args, None)
+        _check_cu(lib, result, f"cuLaunchKernel({name})")
+
+
+_modules: dict[tuple[int, str], Module] = {}
+_modules_lock = threading.Lock()
+
+
+def module(device_index: int, source: str = SOURCES[0]) -> Module:
+    key = (device_index, source)
+    mod = _modules.get(key)
+    if mod is None:
+        with _modules_lock:
+            mod = _modules.get(key)
+            if mod is None:
+                mod = Module(device_index, source)
+                _modules[key] = mod
+    return mod
