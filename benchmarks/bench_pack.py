@@ -1,0 +1,188 @@
+"""Benchmark: ComfyUI's NVFP4 activation pack vs the fused kernels, side by side in one process.
+
+For each H3 input width at 37,810 rows: the Comfy path (torch amax/abs/div/cast + comfy-kitchen CUDA pack with
+its zero-filled scale buffer + the GEMM alpha product) against the fused path (one reduction that also writes
+alpha, one pack), in dynamic and static-scale mode. Equality of the packed bytes is checked first. Reports
+median times over alternating repeats, the ratio, bytes moved and achieved bandwidth against a measured
+device-to-device copy, and kernel launches per projection from torch.profiler.
+
+Usage: python benchmarks/bench_pack.py --out benchmarks/h200-pack.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+import conftest  # noqa: E402,F401  (imports this repository as h3_fused_nvfp4)
+
+from h3_fused_nvfp4.kernels import ops  # noqa: E402
+
+ROWS = 37810
+WIDTHS = (5376, 7168, 14336)
+
+
+def time_ms(fn, reps=30, warmup=5):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def copy_bandwidth_gbs(nbytes=2 << 30):
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = statistics.median(time_ms(lambda: dst.copy_(src), reps=20))
+    return 2 * nbytes / (t * 1e-3) / 1e9
+
+
+def count_launches(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and e.name not in ("cudaDeviceSynchronize",))
+
+
+def device_info():
+    props = torch.cuda.get_device_properties(0)
+    info = {
+        "name": props.name,
+        "compute_capability": f"sm_{props.major}{props.minor}",
+        "sm_count": props.multi_processor_count,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+    try:
+        import comfy_kitchen
+
+        info["comfy_kitchen"] = getattr(comfy_kitchen, "__version__", None) or _dist_version("comfy-kitchen")
+    except ImportError:
+        info["comfy_kitchen"] = None
+    try:
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.mem,clocks.max.sm", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10,
+        ).stdout.strip()
+        info["nvidia_smi"] = smi
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def _dist_version(name):
+    from importlib.metadata import version
+
+    return version(name)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "pack.json"))
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args()
+    import comfy_kitchen as ck
+
+    torch.manual_seed(440420)
+    copy_gbs = copy_bandwidth_gbs()
+    results = []
+    w2 = torch.tensor([2.5e-4], dtype=torch.float32, device="cuda")
+    for k in WIDTHS:
+        x = (torch.randn(ROWS, k, device="cuda") * 2).to(torch.bfloat16)
+        static = torch.tensor([0.01], dtype=torch.float32, device="cuda")
+
+        def comfy_dynamic():
+            g = (torch.amax(x.abs()) / 2688.0).to(torch.float32)
+            q, s = ck.quantize_nvfp4(x, g, pad_16x=False)
+            return q, s, g, g * w2
+
+        def comfy_static():
+            q, s = ck.quantize_nvfp4(x, static, pad_16x=False)
+            return q, s, static
+
+        def fused_dynamic():
+            return ops.pack_nvfp4(x, weight_scale_2=w2)
+
+        def fused_static():
+            return ops.pack_nvfp4(x, static_scale=static)
+
+        q, s, g, alpha = comfy_dynamic()
+        f = fused_dynamic()
+        equal = (torch.equal(q, f.qdata) and torch.equal(s.view(torch.uint8), f.block_scales.view(torch.uint8))
+                 and torch.equal(g.reshape(1), f.global_scale) and torch.equal(alpha.reshape(1), f.alpha))
+        fs = fused_static()
+        qs, ss, _ = comfy_static()
+        equal_static = torch.equal(qs, fs.qdata) and torch.equal(ss.view(torch.uint8), fs.block_scales.view(torch.uint8))
+
+        arms = {"comfy_dynamic": comfy_dynamic, "fused_dynamic": fused_dynamic,
+                "comfy_static": comfy_static, "fused_static": fused_static}
+        samples = {name: [] for name in arms}
+        for _ in range(3):  # alternate arms so clock or thermal drift hits both
+            for name, fn in arms.items():
+                samples[name] += time_ms(fn, reps=args.reps // 3 or 1)
+        med = {name: statistics.median(v) for name, v in samples.items()}
+
+        in_bytes = ROWS * k * 2
+        out_bytes = f.qdata.numel() + f.block_scales.numel()
+        # Fused pass bytes: the reduction reads the input once, the pack reads it again and writes the output.
+        reduction_ms = statistics.median(time_ms(
+            lambda: ops.pack_nvfp4(x, weight_scale_2=w2), reps=3)) - med["fused_static"]
+        row = {
+            "rows": ROWS, "cols": k,
+            "bit_identical_dynamic": equal, "bit_identical_static": equal_static,
+            "median_ms": med,
+            "speedup_dynamic": med["comfy_dynamic"] / med["fused_dynamic"],
+            "speedup_static": med["comfy_static"] / med["fused_static"],
+            "bytes": {"input": in_bytes, "output": out_bytes,
+                      "fused_dynamic_moved": 2 * in_bytes + out_bytes, "fused_static_moved": in_bytes + out_bytes},
+            "achieved_gbs": {
+                "fused_dynamic": (2 * in_bytes + out_bytes) / (med["fused_dynamic"] * 1e-3) / 1e9,
+                "fused_static_pack": (in_bytes + out_bytes) / (med["fused_static"] * 1e-3) / 1e9,
+                "fused_reduction_estimate": in_bytes / (max(reduction_ms, 1e-6) * 1e-3) / 1e9,
+            },
+            "launches_per_projection": {name: count_launches(fn) for name, fn in arms.items()},
+        }
+        row["fraction_of_copy_bandwidth"] = {n: v / copy_gbs for n, v in row["achieved_gbs"].items()}
+        results.append(row)
+
+    report = {
+        "benchmark": "nvfp4 activation pack, Comfy path vs fused",
+        "command": "python benchmarks/bench_pack.py --out " + args.out,
+        "device": device_info(),
+        "copy_bandwidth_gbs_read_plus_write": copy_gbs,
+        "results": results,
+    }
+    pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s")
+    print(f"{'K':>6} {'comfy dyn':>10} {'fused dyn':>10} {'x':>5} {'comfy st':>9} {'fused st':>9} {'x':>5} {'%copy dyn':>9} {'exact':>6} launches")
+    for r in results:
+        m = r["median_ms"]
+        print(f"{r['cols']:>6} {m['comfy_dynamic']:>10.3f} {m['fused_dynamic']:>10.3f} {r['speedup_dynamic']:>5.2f} "
+              f"{m['comfy_static']:>9.3f} {m['fused_static']:>9.3f} {r['speedup_static']:>5.2f} "
+              f"{100 * r['fraction_of_copy_bandwidth']['fused_dynamic']:>8.0f}% "
+              f"{str(r['bit_identical_dynamic'] and r['bit_identical_static']):>6} {r['launches_per_projection']}")
+
+
+if __name__ == "__main__":
+    main()
