@@ -11,7 +11,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export H3_FUSED_NVFP4_CACHE=${H3_FUSED_NVFP4_CACHE:-/tmp/h3_fused_nvfp4_cache}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -m pytest tests -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -40
+python3 -m pytest ${PYTEST_PATHS:-tests} -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -40
 for script in ${BENCHMARKS:-bench_pack}; do
   python3 "benchmarks/$script.py" --out "$OUT/h200-${script#bench_}.json" 2>&1 | tee "$OUT/$script.log" | tail -15
 done
