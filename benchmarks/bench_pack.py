@@ -114,11 +114,11 @@ def main():
 
         def comfy_dynamic():
             g = (torch.amax(x.abs()) / 2688.0).to(torch.float32)
-            q, s = ck.quantize_nvfp4(x, g, pad_16x=False)
+            q, s = ck.quantize_nvfp4(x, g, pad_16x=True)
             return q, s, g, g * w2
 
         def comfy_static():
-            q, s = ck.quantize_nvfp4(x, static, pad_16x=False)
+            q, s = ck.quantize_nvfp4(x, static, pad_16x=True)
             return q, s, static
 
         def fused_dynamic():

@@ -181,6 +181,7 @@ class LoadedPack:
     v1_node_ids: list[str]  # keys of the module's own NODE_CLASS_MAPPINGS (empty for a V3 pack)
     display_names: dict[str, str]
     seconds: float
+    log: list[str]  # log lines ComfyUI emitted while loading (warnings about pyproject.toml etc.)
 
 
 class _LogCapture(logging.Handler):
@@ -232,6 +233,7 @@ def load_custom_node_pack(path: str | os.PathLike, module_parent: str = "custom_
         v1_node_ids=list(v1 or {}),
         display_names={k: nodes.NODE_DISPLAY_NAME_MAPPINGS[k] for k in node_ids if k in nodes.NODE_DISPLAY_NAME_MAPPINGS},
         seconds=seconds,
+        log=capture.records,
     )
 
 

@@ -40,3 +40,8 @@ def cuda_available() -> bool:
 requires_cuda = pytest.mark.skipif(
     not cuda_available(), reason="needs a CUDA GPU (runs on the GPU machine; CPU CI skips it)"
 )
+
+
+# Headless CPU ComfyUI fixtures (comfyui, comfy_loader, comfy_runner, tiny_model); importing comfy_harness is cheap,
+# ComfyUI itself is imported only when a test asks for one of these fixtures.
+from comfy_harness import comfy_loader, comfy_runner, comfyui, tiny_model  # noqa: E402,F401

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import comfy_harness as ch
-from comfy_harness import comfy_loader, comfy_runner, comfyui, tiny_model  # noqa: F401  (fixtures)
 
 pytestmark = ch.requires_comfyui
 
@@ -96,7 +95,7 @@ def test_execute_graph_object_patch_roundtrip(probe_pack, comfy_runner, tiny_mod
     assert run.status == "success"
     events = [e for e, _ in run.status_messages]
     assert events[0] == "execution_start" and events[-1] == "execution_success"
-    assert run.ui["2"] == {"text": ("patched diffusion_model.some_attr=42",)}
+    assert run.ui["2"] == {"text": ["patched diffusion_model.some_attr=42"]}  # executor merges ui tuples into lists
 
     patched = run.output("2")
     assert isinstance(patched, type(source)) and patched is not source

@@ -1,0 +1,198 @@
+"""The fused NVFP4 Linear path: fused pack -> comfy-kitchen GEMM, with ComfyUI's weights and semantics.
+
+``FusedNVFP4Linear`` replaces ``layer.forward`` of one ComfyUI NVFP4 Linear through a ModelPatcher object patch.
+Per call it decides whether the fused path applies; if not, it runs the layer's own (stock) forward and logs
+the reason once. The fused path is bit-identical to the stock one:
+
+    stock: g = bf16(amax|x| / 2688) -> ck.quantize_nvfp4 -> F.linear(QT, QT) -> ck.scaled_mm_nvfp4 -> [:M, :N]
+    fused: nvfp4_absmax (g and alpha on the device) -> nvfp4_pack -> ck.scaled_mm_nvfp4(alpha=...) -> [:M, :N]
+
+On compute capability < 10 there is no NVFP4 GEMM; ComfyUI itself then keeps these layers in full precision
+(``_full_precision_mm``) and so does this path. When NVFP4 compute is forced on such a GPU (tests, benchmarks),
+the GEMM is *emulated* exactly as comfy-kitchen's dispatch does after the FP4 GEMM fails: dequantize both
+operands and run a bf16 ``F.linear``. Logs and benchmark JSON call it emulation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from ..kernels import ops, runtime
+
+log = logging.getLogger("h3_fused_nvfp4")
+
+NVFP4_LAYOUT = "TensorCoreNVFP4Layout"
+
+
+# ---- ComfyUI / comfy-kitchen adapters (absent in unit tests without ComfyUI) ---------------------------------
+
+def _comfy_ops():
+    try:
+        import comfy.ops
+
+        return comfy.ops
+    except ImportError:
+        return None
+
+
+def _allocation_context():
+    """Allocations made here are outside ComfyUI's recorded H3 malloc graph, like comfy-kitchen's own."""
+    try:
+        import comfy.model_prefetch
+
+        return comfy.model_prefetch.pause_malloc_graph()
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def layer_weights(layer, x: torch.Tensor):
+    """Yield (weight, bias) the way ComfyUI's NVFP4 Linear obtains them (offload, LoRA, dynamic VRAM)."""
+    comfy_ops = _comfy_ops()
+    if comfy_ops is not None and hasattr(comfy_ops, "CastBiasWeightContext"):
+        with comfy_ops.CastBiasWeightContext(layer, x, offloadable=True, compute_dtype=x.dtype, want_requant=True) as wb:
+            yield wb
+    elif comfy_ops is not None and hasattr(comfy_ops, "uncast_bias_weight"):
+        weight, bias, state = comfy_ops.cast_bias_weight(layer, x, offloadable=True)
+        try:
+            yield weight, bias
+        finally:
+            comfy_ops.uncast_bias_weight(layer, weight, bias, state)
+    elif comfy_ops is not None and hasattr(comfy_ops, "cast_bias_weight"):
+        yield comfy_ops.cast_bias_weight(layer, x)
+    else:
+        yield layer.weight, layer.bias
+
+
+def is_nvfp4_weight(weight) -> bool:
+    return getattr(weight, "_layout_cls", None) == NVFP4_LAYOUT or type(getattr(weight, "_layout_cls", None)).__name__ == NVFP4_LAYOUT
+
+
+def is_nvfp4_linear(module) -> bool:
+    """A ComfyUI NVFP4-quantized Linear (MixedPrecisionOps.Linear with an NVFP4 QuantizedTensor weight)."""
+    weight = getattr(module, "weight", None)
+    return weight is not None and is_nvfp4_weight(weight) and hasattr(module, "in_features")
+
+
+def gemm_mode(device: torch.device) -> str:
+    """``"nvfp4"`` (cuBLASLt FP4 GEMM, compute capability >= 10) or ``"emulated"`` (dequantize + bf16 matmul)."""
+    return "nvfp4" if torch.cuda.get_device_capability(device)[0] >= 10 else "emulated"
+
+
+def nvfp4_gemm(packed: ops.PackedActivation, weight, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """GEMM of a packed activation with an NVFP4 QuantizedTensor weight, sliced to [M, N] like the stock path."""
+    import comfy_kitchen as ck
+
+    params = weight._params
+    if gemm_mode(packed.qdata.device) == "nvfp4":
+        try:
+            out = ck.scaled_mm_nvfp4(
+                packed.qdata, weight._qdata, tensor_scale_a=packed.global_scale, tensor_scale_b=params.scale,
+                block_scale_a=packed.block_scales, block_scale_b=params.block_scale, bias=bias,
+                out_dtype=params.orig_dtype, alpha=packed.alpha,
+            )
+            return out[: packed.rows, :out_features]
+        except (RuntimeError, TypeError) as exc:  # comfy-kitchen's dispatch falls back the same way
+            log.warning("NVFP4 GEMM failed (%s); dequantizing like comfy-kitchen does", exc)
+    activation = ck.dequantize_nvfp4(packed.qdata, packed.global_scale, packed.block_scales, params.orig_dtype)
+    activation = activation[: packed.rows, : packed.cols]
+    return torch.nn.functional.linear(activation, weight.dequantize(), bias)
+
+
+# ---- the per-layer replacement forward ---------------------------------------------------------------------
+
+class FusedNVFP4Linear:
+    """Callable installed as ``layer.forward`` (object patch). Holds no tensors of its own except cached
+    static-scale products, so patching and unpatching are cheap.
+
+    ``stock_forward`` is the layer class's own forward; every refusal goes there with an explicit reason.
+    """
+
+    def __init__(self, layer, name: str):
+        self.layer = layer
+        self.name = name
+        self.stock_forward = type(layer).forward.__get__(layer)
+        self._logged: set[str] = set()
+        self._static_alpha: dict[tuple, torch.Tensor] = {}
+        self.calls_fused = 0
+        self.calls_stock = 0
+
+    # Why the fused path cannot take this call (None: it can).
+    def refusal(self, x: torch.Tensor, width: int) -> str | None:
+        layer = self.layer
+        if torch.compiler.is_compiling():
+            return "inside torch.compile (stock path is traced instead)"
+        if not x.is_cuda:
+            return "activation not on a CUDA device"
+        if x.dtype != torch.bfloat16 or getattr(layer.weight, "dtype", None) != torch.bfloat16:
+            return f"activation {x.dtype} / weight compute dtype {getattr(layer.weight, 'dtype', None)} is not bfloat16"
+        if x.requires_grad and torch.is_grad_enabled():
+            return "autograd is recording (training path)"
+        if getattr(layer, "_full_precision_mm", False):
+            return "ComfyUI keeps this layer in full precision (GPU without NVFP4 compute or checkpoint flag)"
+        if getattr(layer, "comfy_force_cast_weights", False):
+            return "ComfyUI forces weight casting for this layer"
+        if getattr(layer, "weight_function", None) or getattr(layer, "bias_function", None):
+            return "weight patches (LoRA) are applied on the fly; ComfyUI's path handles them"
+        if getattr(layer, "pre_quant_scale", None) is not None:
+            return "the layer has a pre_quant_scale"
+        if not is_nvfp4_weight(layer.weight):
+            return "the weight is not an NVFP4 QuantizedTensor"
+        if width != layer.in_features:
+            return f"input width {width} != in_features {layer.in_features}"
+        return None
+
+    def note(self, reason: str) -> None:
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.info("H3 fused NVFP4: %s uses ComfyUI's path: %s", self.name, reason)
+
+    def static_scale(self, device: torch.device):
+        scale = getattr(self.layer, "input_scale", None)
+        if scale is None:
+            return None, None
+        scale = scale.detach().to(device=device, dtype=torch.float32).reshape(1)
+        w2 = self.layer.weight._params.scale
+        key = (scale.data_ptr(), scale._version, w2.data_ptr(), w2._version)
+        alpha = self._static_alpha.get(key)
+        if alpha is None:  # one fp32 product, the same one comfy-kitchen's GEMM wrapper computes per call
+            self._static_alpha.clear()
+            alpha = (scale * w2.to(device=device, dtype=torch.float32)).reshape(1)
+            self._static_alpha[key] = alpha
+        return scale, alpha
+
+    def __call__(self, x: torch.Tensor, *, swiglu: bool = False, modulation: ops.Modulation | None = None,
+                 stock_input=None):
+        """Forward of the layer. ``swiglu``/``modulation`` make the pack read the layer input through that op
+        (the caller passes the op's *input* as ``x``); ``stock_input`` rebuilds the op's output with ComfyUI's
+        own code when the fused path refuses."""
+        reason = self.refusal(x, x.shape[-1] // 2 if swiglu else x.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        if reason is None:
+            reason = ops.pack_support(x2, swiglu=swiglu, modulation=modulation)
+        if reason is None:
+            try:
+                runtime.module(x.device.index)
+            except runtime.KernelBuildError as exc:
+                reason = f"kernel build failed: {exc}"
+        if reason is not None:
+            self.note(reason)
+            self.calls_stock += 1
+            return self.stock_forward(stock_input() if stock_input is not None else x)
+        self.calls_fused += 1
+        out_shape = (*x.shape[:-1], self.layer.out_features)
+        with layer_weights(self.layer, x2) as (weight, bias):
+            static, static_alpha = self.static_scale(x.device)
+            with _allocation_context():
+                packed = ops.pack_nvfp4(
+                    x2, static_scale=static,
+                    weight_scale_2=None if static is not None else weight._params.scale.reshape(1),
+                    swiglu=swiglu, modulation=modulation,
+                )
+                if static is not None:
+                    packed.alpha = static_alpha
+                out = nvfp4_gemm(packed, weight, bias, self.layer.out_features)
+        return out.reshape(out_shape) if x.dim() >= 3 else out
