@@ -21,6 +21,7 @@ import logging
 import torch
 
 from ..kernels import ops, runtime
+from ..reference import fused_ops as reference_ops
 
 log = logging.getLogger("h3_fused_nvfp4")
 
@@ -52,19 +53,19 @@ def _allocation_context():
 def layer_weights(layer, x: torch.Tensor):
     """Yield (weight, bias) the way ComfyUI's NVFP4 Linear obtains them (offload, LoRA, dynamic VRAM)."""
     comfy_ops = _comfy_ops()
-    if comfy_ops is not None and hasattr(comfy_ops, "CastBiasWeightContext"):
+    if comfy_ops is None or not isinstance(layer, getattr(comfy_ops, "CastWeightBiasOp", ())):
+        yield layer.weight, layer.bias  # not a ComfyUI op (tests): its weights are used as they are
+    elif hasattr(comfy_ops, "CastBiasWeightContext"):
         with comfy_ops.CastBiasWeightContext(layer, x, offloadable=True, compute_dtype=x.dtype, want_requant=True) as wb:
             yield wb
-    elif comfy_ops is not None and hasattr(comfy_ops, "uncast_bias_weight"):
+    elif hasattr(comfy_ops, "uncast_bias_weight"):
         weight, bias, state = comfy_ops.cast_bias_weight(layer, x, offloadable=True)
         try:
             yield weight, bias
         finally:
             comfy_ops.uncast_bias_weight(layer, weight, bias, state)
-    elif comfy_ops is not None and hasattr(comfy_ops, "cast_bias_weight"):
-        yield comfy_ops.cast_bias_weight(layer, x)
     else:
-        yield layer.weight, layer.bias
+        yield comfy_ops.cast_bias_weight(layer, x)
 
 
 def is_nvfp4_weight(weight) -> bool:
@@ -79,7 +80,20 @@ def is_nvfp4_linear(module) -> bool:
 
 def gemm_mode(device: torch.device) -> str:
     """``"nvfp4"`` (cuBLASLt FP4 GEMM, compute capability >= 10) or ``"emulated"`` (dequantize + bf16 matmul)."""
+    if device.type != "cuda":
+        return "emulated"
     return "nvfp4" if torch.cuda.get_device_capability(device)[0] >= 10 else "emulated"
+
+
+def backend_for(x: torch.Tensor):
+    """The fused-op implementation for this tensor: the CUDA kernels, or their Python twin off the GPU.
+
+    Raises ``runtime.KernelBuildError`` if the kernels cannot be built for this GPU.
+    """
+    if x.is_cuda:
+        runtime.module(x.device.index)
+        return ops
+    return reference_ops
 
 
 def nvfp4_gemm(packed: ops.PackedActivation, weight, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
@@ -119,14 +133,15 @@ class FusedNVFP4Linear:
         self._static_alpha: dict[tuple, torch.Tensor] = {}
         self.calls_fused = 0
         self.calls_stock = 0
+        # (modulation, stock_input) handed over by FusedDiTBlock for the next call (the qkv_proj call made by
+        # ComfyUI's own Attention.forward); consumed by that call.
+        self.pending = None
 
     # Why the fused path cannot take this call (None: it can).
     def refusal(self, x: torch.Tensor, width: int) -> str | None:
         layer = self.layer
         if torch.compiler.is_compiling():
             return "inside torch.compile (stock path is traced instead)"
-        if not x.is_cuda:
-            return "activation not on a CUDA device"
         if x.dtype != torch.bfloat16 or getattr(layer.weight, "dtype", None) != torch.bfloat16:
             return f"activation {x.dtype} / weight compute dtype {getattr(layer.weight, 'dtype', None)} is not bfloat16"
         if x.requires_grad and torch.is_grad_enabled():
@@ -169,13 +184,15 @@ class FusedNVFP4Linear:
         """Forward of the layer. ``swiglu``/``modulation`` make the pack read the layer input through that op
         (the caller passes the op's *input* as ``x``); ``stock_input`` rebuilds the op's output with ComfyUI's
         own code when the fused path refuses."""
+        if modulation is None and self.pending is not None:
+            (modulation, stock_input), self.pending = self.pending, None
         reason = self.refusal(x, x.shape[-1] // 2 if swiglu else x.shape[-1])
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-        if reason is None:
-            reason = ops.pack_support(x2, swiglu=swiglu, modulation=modulation)
+        backend = None
         if reason is None:
             try:
-                runtime.module(x.device.index)
+                backend = backend_for(x)
+                reason = backend.pack_support(x2, swiglu=swiglu, modulation=modulation)
             except runtime.KernelBuildError as exc:
                 reason = f"kernel build failed: {exc}"
         if reason is not None:
@@ -187,7 +204,7 @@ class FusedNVFP4Linear:
         with layer_weights(self.layer, x2) as (weight, bias):
             static, static_alpha = self.static_scale(x.device)
             with _allocation_context():
-                packed = ops.pack_nvfp4(
+                packed = backend.pack_nvfp4(
                     x2, static_scale=static,
                     weight_scale_2=None if static is not None else weight._params.scale.reshape(1),
                     swiglu=swiglu, modulation=modulation,

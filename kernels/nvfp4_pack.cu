@@ -73,7 +73,6 @@ struct GatedResidualParams {
     const i32* mod_index;
     i64 rows;
     i64 cols;
-    i32 single_rounding;    // 1: fp32 fma(other, gate, x) (one rounding); 0: mul then add (two)
 };
 
 // ---- sources ---------------------------------------------------------------------------------------------
@@ -243,8 +242,10 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
 
 // ---- gated residual --------------------------------------------------------------------------------------
 
-__device__ __forceinline__ float gated_add(float x, float o, float gate, int single_rounding) {
-    return single_rounding ? __fmaf_rn(o, gate, x) : __fadd_rn(x, __fmul_rn(o, gate));
+// torch's addcmul_ in fp32 opmath. The product of two bf16 values is exact in fp32, so a fused or a separate
+// multiply-add round identically: one rounding of the sum, then one to bf16.
+__device__ __forceinline__ float gated_add(float x, float o, float gate) {
+    return __fadd_rn(x, __fmul_rn(o, gate));
 }
 
 __device__ __forceinline__ void gated_residual_body(const GatedResidualParams& p) {
@@ -261,8 +262,8 @@ __device__ __forceinline__ void gated_residual_body(const GatedResidualParams& p
         u32 r[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            r[i] = pack_bf16x2(gated_add(bf16_lo(xs[i]), bf16_lo(os[i]), bf16_lo(gs[i]), p.single_rounding),
-                               gated_add(bf16_hi(xs[i]), bf16_hi(os[i]), bf16_hi(gs[i]), p.single_rounding));
+            r[i] = pack_bf16x2(gated_add(bf16_lo(xs[i]), bf16_lo(os[i]), bf16_lo(gs[i])),
+                               gated_add(bf16_hi(xs[i]), bf16_hi(os[i]), bf16_hi(gs[i])));
         }
         store_16B(xp, u32x4{r[0], r[1], r[2], r[3]});
     }

@@ -54,13 +54,10 @@ class _GatedResidualParams(ctypes.Structure):
         ("x", ctypes.c_void_p), ("x_row_stride", ctypes.c_int64), ("other", ctypes.c_void_p),
         ("other_row_stride", ctypes.c_int64), ("gate", ctypes.c_void_p), ("gate_row_stride", ctypes.c_int64),
         ("mod_index", ctypes.c_void_p), ("rows", ctypes.c_int64), ("cols", ctypes.c_int64),
-        ("single_rounding", ctypes.c_int32),
     ]
 
 
-PACK_THREADS, ABSMAX_THREADS, RESIDUAL_THREADS, ITEMS = 256, 512, 256, 4
-# torch's CUDA addcmul_ on bf16 evaluates x + other * gate with one fp32 rounding (fused multiply-add).
-ADDCMUL_SINGLE_ROUNDING = 1
+PACK_THREADS, ABSMAX_THREADS, RESIDUAL_THREADS, ITEMS = 256, 512, 256, 4  # must match nvfp4_pack.cu
 
 
 def _roundup(v: int, m: int) -> int:
@@ -254,7 +251,7 @@ def gated_residual_(x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor, mo
     stream = torch.cuda.current_stream(x.device).cuda_stream
     params = _GatedResidualParams(
         x.data_ptr(), x.stride(0), other.data_ptr(), other.stride(0), gate.data_ptr(), gate.stride(0),
-        mod_index.data_ptr(), x.shape[0], x.shape[1], ADDCMUL_SINGLE_ROUNDING,
+        mod_index.data_ptr(), x.shape[0], x.shape[1],
     )
     chunks = x.shape[0] * (x.shape[1] // 8)
     grid = max(1, min(-(-chunks // RESIDUAL_THREADS), mod.sm_count * 32))

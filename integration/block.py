@@ -1,0 +1,160 @@
+"""Fused forwards for ComfyUI's MiniMax H3 ``DiTBlock`` and its SwiGLU ``MLP``, installed as object patches.
+
+Stock ``DiTBlock.forward`` (comfy/ldm/minimax/model.py) and what changes here:
+
+    ada = adaln_proj(t_emb)                          unchanged
+    h = norm1(x)                                     unchanged (torch's F.rms_norm; see "RMSNorm" below)
+    h = h * (1 + scale_msa) + shift_msa   per seg    -> folded into qkv_proj's reduction and pack kernels
+    x += attn(h) * gate_msa               per seg    -> ComfyUI's own Attention.forward runs on the norm output;
+                                                        its qkv_proj call reads the modulation on the fly;
+                                                        the gated residual is one in-place kernel
+    h = norm2(x); h = modulate(h, mlp rows)          -> folded into fc1's kernels
+    x += fc2(silu(gate) * up) * gate_mlp  per seg    -> SwiGLU folded into fc2's kernels; one residual kernel
+
+So the modulated activations and the [S, 14336] SwiGLU product are never written to memory, and every layout
+stays as ComfyUI has it: q/k/v remain views of qkv_proj's output, rms_rope runs in place on them (comfy-kitchen),
+attention is ComfyUI's ``optimized_attention`` (the user's backend, overrides and sparse attention included),
+and out_proj's pack reads whatever layout attention returned.
+
+Synchronization of the global scale: each NVFP4 input's amax is produced by the reduction kernel of that
+layer (last CTA writes g and alpha to device memory) and consumed by the pack kernel and the GEMM that follow on
+the same stream, so stream order is the only synchronization; the host never waits.
+
+RMSNorm is not folded: torch's fused rms_norm reduction order is an implementation detail of each torch release,
+so a re-implementation could not promise equal bits. The kernels read the norm output instead.
+
+Fallbacks keep exactness: a call the kernels cannot take (LoRA patches, a custom ``attention`` callable from
+another node, non-CUDA tensors, ...) runs the stock op sequence (reference/h3_ops.py) for that step.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..kernels import ops, runtime
+from ..reference import h3_ops
+from .linear import FusedNVFP4Linear, backend_for
+
+
+class ModulationIndexCache:
+    """int32 per-token modulation rows on the device, built once per forward (the segment list is shared by
+    all blocks of a forward) from ComfyUI's ``mod_segments``."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._key = None
+        self._value = None
+
+    @staticmethod
+    def _key_of(segments, rows, device):
+        parts = []
+        for a, b, row in segments:
+            if isinstance(row, torch.Tensor):
+                parts.append((a, b, id(row), row.data_ptr(), row._version))
+            else:
+                parts.append((a, b, int(row)))
+        return (rows, str(device), tuple(parts))
+
+    def get(self, segments, rows: int, device: torch.device) -> torch.Tensor:
+        key = self._key_of(segments, rows, device)
+        with self._lock:
+            if self._key != key:
+                index = h3_ops.modulation_index(segments, rows)
+                if device.type == "cuda":
+                    index = index.pin_memory().to(device, non_blocking=True)
+                # Keep the segment tensors referenced so their ids cannot be reused by new tensors.
+                self._key, self._value = key, (index, [r for _, _, r in segments if isinstance(r, torch.Tensor)])
+            return self._value[0]
+
+
+def _bf16_table(table: torch.Tensor) -> torch.Tensor:
+    # Stock code converts each gathered row with .to(x.dtype); converting the whole table is the same rounding.
+    return table if table.dtype == torch.bfloat16 else table.to(torch.bfloat16)
+
+
+def _fused_backend(x: torch.Tensor):
+    """The fused-op backend for this block call, or None when the stock forward must run."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or torch.compiler.is_compiling():
+        return None
+    try:
+        return backend_for(x)
+    except runtime.KernelBuildError:
+        return None  # FusedNVFP4Linear logs the build failure once per layer
+
+
+class FusedSwigluMLP:
+    """``MLP.forward``: ``fc2(silu(gate) * up)`` with the SwiGLU computed inside fc2's reduction and pack.
+
+    ``fc1_modulation`` lets the block hand fc1 the adaLN modulation of this call (fc1 then reads the norm
+    output and modulates on the fly).
+    """
+
+    def __init__(self, mlp, fc1: FusedNVFP4Linear | None, fc2: FusedNVFP4Linear | None):
+        self.mlp = mlp
+        self.fc1 = fc1
+        self.fc2 = fc2
+        self.stock_forward = type(mlp).forward.__get__(mlp)
+
+    def __call__(self, x: torch.Tensor, modulation=None, stock_modulated=None):
+        if self.fc1 is not None:
+            y = self.fc1(x, modulation=modulation, stock_input=stock_modulated)
+        else:
+            y = self.mlp.fc1(stock_modulated() if stock_modulated is not None else x)
+        if self.fc2 is None:
+            return self.mlp.fc2(h3_ops.swiglu(y))
+        return self.fc2(y, swiglu=True, stock_input=lambda: h3_ops.swiglu(y))
+
+
+class FusedDiTBlock:
+    """``DiTBlock.forward`` with modulation, SwiGLU and gated residuals fused (see the module docstring)."""
+
+    def __init__(self, block, name: str, qkv: FusedNVFP4Linear | None, mlp: FusedSwigluMLP,
+                 index_cache: ModulationIndexCache):
+        self.block = block
+        self.name = name
+        self.qkv = qkv
+        self.mlp = mlp
+        self.index_cache = index_cache
+        self.stock_forward = type(block).forward.__get__(block)
+
+    def _residual(self, backend, x, gate, other, segments, index):
+        if other.shape == x.shape and backend.pack_support(other) is None:
+            try:
+                return backend.gated_residual_(x, other, _bf16_table(gate), index)
+            except ValueError:  # unaligned views and the like: the stock per-segment addcmul_ is exact too
+                pass
+        return h3_ops.gated_residual_(x, gate, other, segments)
+
+    def _modulation(self, scale, shift, index):
+        return ops.Modulation(_bf16_table(scale), _bf16_table(shift), index)
+
+    def __call__(self, x, t_emb, mod_segments, rope_freqs, transformer_options={}, attention=None):
+        block = self.block
+        backend = _fused_backend(x)
+        if backend is None:
+            return self.stock_forward(x, t_emb, mod_segments, rope_freqs,
+                                      transformer_options=transformer_options, attention=attention)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.adaln_proj(t_emb)
+        index = self.index_cache.get(mod_segments, x.shape[0], x.device)
+
+        # attention half
+        n1 = block.norm1(x)
+        if attention is None and self.qkv is not None:
+            modulation = self._modulation(scale_msa, shift_msa, index)
+            self.qkv.pending = (modulation, lambda: h3_ops.modulate_(n1, shift_msa, scale_msa, mod_segments))
+            try:
+                out = block.attn(n1, rope_freqs=rope_freqs, transformer_options=transformer_options)
+            finally:
+                self.qkv.pending = None
+        else:  # another node replaced the attention (e.g. sparse attention): it needs the modulated tensor
+            h = h3_ops.modulate_(n1, shift_msa, scale_msa, mod_segments)
+            out = (attention or block.attn)(h, rope_freqs=rope_freqs, transformer_options=transformer_options)
+        self._residual(backend, x, gate_msa, out, mod_segments, index)
+
+        # MLP half
+        n2 = block.norm2(x)
+        out = self.mlp(n2, modulation=self._modulation(scale_mlp, shift_mlp, index),
+                       stock_modulated=lambda: h3_ops.modulate_(n2, shift_mlp, scale_mlp, mod_segments))
+        return self._residual(backend, x, gate_mlp, out, mod_segments, index)

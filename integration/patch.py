@@ -1,0 +1,262 @@
+"""Find MiniMax H3 blocks in a ComfyUI model and patch them, on a ModelPatcher clone, with object patches.
+
+Object patches are applied by ComfyUI when the model is loaded for sampling and undone when it is unloaded, per
+clone, so a graph can hold a fused and a stock clone of one model side by side (the Toggle node). Nothing here
+changes a class or a module-level function.
+
+Patched keys (``diffusion_model.`` prefix):
+
+    blocks.{i}.forward                        FusedDiTBlock      (scope "block")
+    blocks.{i}.mlp.forward                    FusedSwigluMLP     (SwiGLU folded into fc2's pack)
+    token_refiner.blocks.{i}.mlp.forward      FusedSwigluMLP
+    ...{attn.qkv_proj,attn.out_proj,mlp.fc1,mlp.fc2}.forward   FusedNVFP4Linear, NVFP4 layers only
+
+Matching is structural (attribute names and Linear shapes of ComfyUI's comfy/ldm/minimax/model.py), so it
+works on the real model and on the test mirror alike; only NVFP4-quantized Linears are patched.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kernels import runtime
+from .block import FusedDiTBlock, FusedSwigluMLP, ModulationIndexCache
+from .linear import FusedNVFP4Linear, gemm_mode, is_nvfp4_linear
+
+log = logging.getLogger("h3_fused_nvfp4")
+
+STATE_KEY = "h3_fused_nvfp4"  # transformer_options entry describing what this pack did to a clone
+SCOPES = ("block", "linears")
+PATCH_TYPES = (FusedNVFP4Linear, FusedSwigluMLP, FusedDiTBlock)
+
+
+@dataclass
+class H3Block:
+    prefix: str       # attribute path below the diffusion model, e.g. "blocks.3"
+    module: torch.nn.Module
+    kind: str         # "dit" or "refiner"
+
+
+@dataclass
+class PatchReport:
+    """What a patch call did; ``summary()`` is the one log/UI line."""
+
+    mode: str
+    applied: bool
+    reason: str = ""
+    dit_blocks: int = 0
+    refiner_blocks: int = 0
+    layers: list[str] = field(default_factory=list)
+    static_layers: int = 0
+    device: str = ""
+    kernels: str = ""
+    gemm: str = ""
+
+    def summary(self) -> str:
+        if not self.applied:
+            return f"H3 fused NVFP4: model left as ComfyUI runs it ({self.mode}): {self.reason}"
+        return (
+            f"H3 fused NVFP4: patched {self.dit_blocks} DiT + {self.refiner_blocks} refiner blocks, "
+            f"{len(self.layers)} NVFP4 layers ({len(self.layers) - self.static_layers} dynamic-scale, "
+            f"{self.static_layers} static input_scale), scope {self.mode}, {self.device}, GEMM {self.gemm}, "
+            f"kernels {self.kernels}"
+        )
+
+
+# ---- structural matching -----------------------------------------------------------------------------------
+
+def _linear_shape(module) -> tuple[int, int] | None:
+    if module is None:
+        return None
+    if hasattr(module, "in_features") and hasattr(module, "out_features"):
+        return int(module.in_features), int(module.out_features)
+    return None
+
+
+def _attention_matches(attn, hidden: int) -> bool:
+    heads, head_dim = getattr(attn, "heads", None), getattr(attn, "head_dim", None)
+    if not isinstance(heads, int) or not isinstance(head_dim, int):
+        return False
+    inner = heads * head_dim
+    return (
+        _linear_shape(getattr(attn, "qkv_proj", None)) == (hidden, 3 * inner)
+        and _linear_shape(getattr(attn, "out_proj", None)) == (inner, hidden)
+        and hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
+    )
+
+
+def _mlp_matches(mlp, hidden: int) -> bool:
+    fc1, fc2 = _linear_shape(getattr(mlp, "fc1", None)), _linear_shape(getattr(mlp, "fc2", None))
+    return fc1 is not None and fc2 is not None and fc1[0] == hidden and fc1[1] == 2 * fc2[0] and fc2[1] == hidden
+
+
+def _hidden_of(block) -> int | None:
+    qkv = _linear_shape(getattr(getattr(block, "attn", None), "qkv_proj", None))
+    return qkv[0] if qkv else None
+
+
+def block_kind(block) -> str | None:
+    """"dit" for an H3 DiTBlock, "refiner" for a token-refiner block, None otherwise."""
+    hidden = _hidden_of(block)
+    if hidden is None or not (hasattr(block, "norm1") and hasattr(block, "norm2")):
+        return None
+    if not (_attention_matches(block.attn, hidden) and _mlp_matches(getattr(block, "mlp", None), hidden)):
+        return None
+    adaln = getattr(block, "adaln_proj", None)
+    if adaln is None:
+        return "refiner"
+    shape = _linear_shape(getattr(adaln, "linear", None))
+    expand, modalities = getattr(adaln, "expand", None), getattr(adaln, "modalities", None)
+    if shape and expand == 6 and modalities == 3 and shape[1] == 6 * hidden * 3:
+        return "dit"
+    return None
+
+
+def find_h3_blocks(diffusion_model) -> list[H3Block]:
+    found = []
+    for prefix, container in (("blocks", getattr(diffusion_model, "blocks", None)),
+                              ("token_refiner.blocks", getattr(getattr(diffusion_model, "token_refiner", None), "blocks", None))):
+        if container is None:
+            continue
+        for i, block in enumerate(container):
+            kind = block_kind(block)
+            if kind == "dit" and prefix == "blocks" or kind == "refiner" and prefix != "blocks":
+                found.append(H3Block(f"{prefix}.{i}", block, kind))
+    return found
+
+
+LINEAR_PATHS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+
+
+def _get(module, path: str):
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+# ---- patching ----------------------------------------------------------------------------------------------
+
+def _device_description(device: torch.device) -> str:
+    if device.type != "cuda":
+        return f"device {device} (Python reference backend)"
+    props = torch.cuda.get_device_properties(device)
+    return f"GPU {props.name} sm_{props.major}{props.minor}"
+
+
+def build_patches(diffusion_model, scope: str = "block") -> tuple[dict[str, object], PatchReport]:
+    """Object patches (key below ``diffusion_model.`` -> value) for every matched block; no side effects."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    report = PatchReport(mode=scope, applied=False)
+    blocks = find_h3_blocks(diffusion_model)
+    if not blocks:
+        report.reason = f"{type(diffusion_model).__name__} has no MiniMax H3 transformer blocks"
+        return {}, report
+    patches: dict[str, object] = {}
+    index_cache = ModulationIndexCache()
+    for blk in blocks:
+        fused = {}
+        for path in LINEAR_PATHS:
+            layer = _get(blk.module, path)
+            if is_nvfp4_linear(layer):
+                name = f"{blk.prefix}.{path}"
+                fused[path] = FusedNVFP4Linear(layer, name)
+                patches[f"{name}.forward"] = fused[path]
+                report.layers.append(name)
+                report.static_layers += getattr(layer, "input_scale", None) is not None
+        if not fused:
+            continue
+        mlp = FusedSwigluMLP(blk.module.mlp, fused.get("mlp.fc1"), fused.get("mlp.fc2"))
+        patches[f"{blk.prefix}.mlp.forward"] = mlp
+        if blk.kind == "dit":
+            report.dit_blocks += 1
+            if scope == "block":
+                patches[f"{blk.prefix}.forward"] = FusedDiTBlock(
+                    blk.module, blk.prefix, fused.get("attn.qkv_proj"), mlp, index_cache)
+        else:
+            report.refiner_blocks += 1
+    if not report.layers:
+        report.reason = f"found {len(blocks)} H3 blocks but no NVFP4-quantized Linear in them"
+        return {}, report
+    report.applied = True
+    return patches, report
+
+
+def _load_device(model_patcher) -> torch.device:
+    device = getattr(model_patcher, "load_device", None)
+    return torch.device(device) if device is not None else torch.device("cpu")
+
+
+def kernel_status(device: torch.device) -> tuple[bool, str]:
+    """Build (or load from cache) the kernels for ``device`` now, so a failure is known at load time."""
+    if device.type != "cuda":
+        return True, "not needed (Python reference backend)"
+    try:
+        mod = runtime.module(device.index if device.index is not None else torch.cuda.current_device())
+        return True, f"ready for {mod.arch} (NVRTC {'.'.join(map(str, runtime.nvrtc_version()))})"
+    except runtime.KernelBuildError as exc:
+        return False, f"build failed: {exc}"
+
+
+def our_patch_keys(model_patcher) -> list[str]:
+    return [k for k, v in model_patcher.object_patches.items() if isinstance(v, PATCH_TYPES)]
+
+
+def remove_patches(model_patcher) -> int:
+    keys = our_patch_keys(model_patcher)
+    for key in keys:
+        del model_patcher.object_patches[key]
+    return len(keys)
+
+
+def _set_state(model_patcher, **state) -> None:
+    topts = model_patcher.model_options.setdefault("transformer_options", {})
+    topts[STATE_KEY] = dict(state)
+
+
+def patch_state(model_patcher) -> dict:
+    return model_patcher.model_options.get("transformer_options", {}).get(STATE_KEY, {})
+
+
+def apply_fused(model_patcher, scope: str = "block", *, allow_reference_backend: bool = False):
+    """Return ``(clone, report)``: a clone of ``model_patcher`` with the fused H3 path patched in.
+
+    The input patcher is never modified. On a non-H3 model, a model without NVFP4 layers, a GPU the kernels
+    cannot be built for, or a CPU device (unless ``allow_reference_backend``), the clone runs ComfyUI's path
+    and the report says why.
+    """
+    clone = model_patcher.clone()
+    remove_patches(clone)
+    device = _load_device(clone)
+    diffusion_model = clone.get_model_object("diffusion_model")
+    patches, report = build_patches(diffusion_model, scope)
+    report.device = _device_description(device)
+    if report.applied:
+        if device.type != "cuda" and not allow_reference_backend:
+            report.applied, report.reason = False, f"no CUDA device ({device}); the fused kernels need an NVIDIA GPU"
+        else:
+            ok, report.kernels = kernel_status(device)
+            if not ok:
+                report.applied, report.reason = False, f"kernels unavailable on {report.device}: {report.kernels}"
+    if report.applied:
+        report.gemm = "cuBLASLt NVFP4" if gemm_mode(device) == "nvfp4" else (
+            "ComfyUI keeps NVFP4 layers in bf16 on this GPU (no FP4 tensor cores); fused path used only when "
+            "NVFP4 compute is forced on, with an emulated GEMM (dequantize + bf16 matmul)")
+        for key, value in patches.items():
+            clone.add_object_patch(f"diffusion_model.{key}", value)
+    _set_state(clone, mode="fused" if report.applied else "comfy", scope=scope, summary=report.summary())
+    (log.info if report.applied else log.warning)(report.summary())
+    return clone, report
+
+
+def apply_comfy(model_patcher):
+    """A clone that runs exactly ComfyUI's stock path (this pack's object patches removed)."""
+    clone = model_patcher.clone()
+    removed = remove_patches(clone)
+    summary = f"H3 fused NVFP4: ComfyUI's own NVFP4 path selected ({removed} patches removed from this clone)"
+    _set_state(clone, mode="comfy", scope=patch_state(model_patcher).get("scope", "block"), summary=summary)
+    log.info(summary)
+    return clone, summary
