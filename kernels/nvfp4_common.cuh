@@ -140,15 +140,31 @@ NVFP4_DEVICE float mul_ftz(float a, float b) {
 #define NVFP4_HW_E2M1 1
 #endif
 
+#ifndef E2M1_SW_IMPL
+#define E2M1_SW_IMPL 0
+#endif
+
 #ifndef NVFP4_HW_E2M1
 // Software cvt.rn.satfinite.e2m1 for GPUs without the instruction (sm_90): round to nearest even on the
 // magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}, saturate above 5, NaN -> +6, keep the sign of zero. The inputs
 // come from mul.ftz, so they are never subnormal. Same results as cuda_fp4.hpp's software path.
 NVFP4_DEVICE u32 e2m1_code_sw(float v) {
+    const u32 sign = (__float_as_uint(v) >> 28) & 8u;
+#if E2M1_SW_IMPL == 0
+    // Count the rounding boundaries below |v| (ties resolved toward the even code by > vs >=).
     float m = fabsf(v);
     u32 code = (m > 0.25f) + (m >= 0.75f) + (m > 1.25f) + (m >= 1.75f) + (m > 2.5f) + (m >= 3.5f) + (m > 5.0f);
     if (m != m) return 7u;                       // NaN -> +6
-    return code | ((__float_as_uint(v) >> 28) & 8u);
+    return code | sign;
+#else
+    // Same result from uniform grids: step 0.5 below 2, 1 below 4, 2 above; cvt.rni rounds half to even.
+    float m = fabsf(v);
+    u32 code;
+    if (m < 2.0f)      code = (u32)__float2int_rn(m * 2.0f);
+    else if (m < 4.0f) code = (u32)__float2int_rn(m) + 2u;
+    else               code = (u32)__float2int_rn(fminf(m * 0.5f, 3.0f)) + 4u;   // NaN -> fminf -> 3 -> 7
+    return code | (m != m ? 0u : sign);
+#endif
 }
 #endif
 
@@ -179,6 +195,6 @@ NVFP4_DEVICE u32 encode8(const u32 w[4], float e) {
 // ---- swizzled block-scale layout (must match reference/nvfp4.py::swizzled_scale_offset) -------------------
 // cuBLASLt's 1x16 block-scale layout: 128-row x 4-column tiles of 512 bytes; inside a tile, row r sits at
 // (r % 32) * 16 + (r % 128) / 32 * 4 and column c at c % 4.
-NVFP4_DEVICE u64 swizzled_scale_offset(u64 row, u64 col, u64 padded_scale_cols) {
-    return ((row / 128) * (padded_scale_cols / 4) + col / 4) * 512 + (row % 32) * 16 + ((row % 128) / 32) * 4 + col % 4;
+NVFP4_DEVICE u32 swizzled_scale_offset32(u32 row, u32 col, u32 padded_scale_cols) {
+    return ((row >> 7) * (padded_scale_cols >> 2) + (col >> 2)) * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4 + (col & 3);
 }

@@ -29,9 +29,16 @@
 // Requirements checked on the host (kernels/ops.py): K % 16 == 0, 16-byte aligned rows and tables.
 #include "nvfp4_common.cuh"
 
+// Tuning knobs (kernels/ops.py reads the same values; benchmarks may override them with -D).
+#ifndef ITEMS
 #define ITEMS 4
+#endif
+#ifndef PACK_THREADS
 #define PACK_THREADS 256
+#endif
+#ifndef ABSMAX_THREADS
 #define ABSMAX_THREADS 512
+#endif
 
 struct SourceParams {
     const u16* x;          // bf16 activation rows (SwiGLU: fc1 output, gate half first)
@@ -130,17 +137,19 @@ struct SwigluSource {
 template <class Source>
 __device__ __forceinline__ void absmax_body(const AbsmaxParams& p) {
     const SourceParams& s = p.src;
+    // 32-bit index math throughout: the host guarantees every count fits in 31 bits (64-bit division is slow).
     const u32 chunks_per_row = (u32)(s.cols / 8);
-    const u64 total = (u64)s.rows * chunks_per_row;
-    const u64 stride = (u64)gridDim.x * blockDim.x;
+    const u32 total = (u32)s.rows * chunks_per_row;
+    const u32 stride = gridDim.x * blockDim.x;
     u32 acc = 0;
-    for (u64 base = (u64)blockIdx.x * blockDim.x * ITEMS + threadIdx.x; base < total; base += stride * ITEMS) {
+    for (u32 base = blockIdx.x * blockDim.x * ITEMS + threadIdx.x; base < total; base += stride * ITEMS) {
         u32 w[ITEMS][4];
 #pragma unroll
         for (int i = 0; i < ITEMS; ++i) {
-            u64 c = base + (u64)i * blockDim.x;
+            u32 c = base + (u32)i * blockDim.x;
             if (c < total) {
-                Source::load(s, (i64)(c / chunks_per_row), (i64)(c % chunks_per_row) * 8, w[i]);
+                u32 row = c / chunks_per_row;
+                Source::load(s, (i64)row, (i64)(c - row * chunks_per_row) * 8, w[i]);
             } else {
                 w[i][0] = w[i][1] = w[i][2] = w[i][3] = 0;
             }
@@ -186,24 +195,25 @@ __device__ __forceinline__ void absmax_body(const AbsmaxParams& p) {
 template <class Source>
 __device__ __forceinline__ void pack_body(const PackParams& p) {
     const SourceParams& s = p.src;
+    // 32-bit index math: the host guarantees rows128 * groups * 8 < 2^31 (64-bit division is slow).
     const u32 lanes_per_row = (u32)(p.groups * 8);
-    const u64 total = (u64)p.rows128 * lanes_per_row;
-    const i64 blocks_per_row = s.cols / 16;
-    const i64 scale_cols = p.groups * 4;
+    const u32 total = (u32)p.rows128 * lanes_per_row;
+    const u32 scale_cols = (u32)(p.groups * 4);
     const float g = p.global_scale[0];
     const int lane = threadIdx.x & 31;
     const u32 group_leader = (u32)lane & ~7u;
 
-    const u64 warps_total = (u64)gridDim.x * (blockDim.x >> 5);
-    const u64 warp_id = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    for (u64 chunk = warp_id; chunk * 32 * ITEMS < total; chunk += warps_total) {
+    const u32 warps_total = gridDim.x * (blockDim.x >> 5);
+    const u32 warp_id = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    for (u32 chunk = warp_id; chunk * 32 * ITEMS < total; chunk += warps_total) {
         u32 w[ITEMS][4];
         i64 row[ITEMS], col[ITEMS];
 #pragma unroll
         for (int i = 0; i < ITEMS; ++i) {
-            u64 t = chunk * 32 * ITEMS + (u64)i * 32 + lane;
-            row[i] = (i64)(t / lanes_per_row);
-            col[i] = (i64)(t % lanes_per_row) * 8;
+            u32 t = chunk * 32 * ITEMS + (u32)i * 32 + lane;
+            u32 r = t / lanes_per_row;
+            row[i] = (i64)r;
+            col[i] = (i64)(t - r * lanes_per_row) * 8;
             if (t < total && row[i] < s.rows && col[i] < s.cols) {
                 Source::load(s, row[i], col[i], w[i]);
             } else {
@@ -212,7 +222,7 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
         }
 #pragma unroll
         for (int i = 0; i < ITEMS; ++i) {
-            const u64 t = chunk * 32 * ITEMS + (u64)i * 32 + lane;
+            const u32 t = chunk * 32 * ITEMS + (u32)i * 32 + lane;
             u32 pair_max = bf16x2_max(bf16x2_absmax(w[i][0], w[i][1]), bf16x2_absmax(w[i][2], w[i][3]));
             u16 mine = bf16x2_hmax(pair_max);
             u16 other = (u16)__shfl_xor_sync(0xFFFFFFFFu, (u32)mine, 1);
@@ -232,12 +242,11 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
             }
             if ((u32)lane == group_leader) {
                 const i64 block_col = col[i] / 16;  // first of the group's 4 scale columns
-                u64 off = swizzled_scale_offset((u64)row[i], (u64)block_col, (u64)scale_cols);
+                u32 off = swizzled_scale_offset32((u32)row[i], (u32)block_col, scale_cols);
                 *reinterpret_cast<u32*>(p.scales + off) = scale_byte | (b1 << 8) | (b2 << 16) | (b3 << 24);
             }
         }
     }
-    (void)blocks_per_row;
 }
 
 // ---- gated residual --------------------------------------------------------------------------------------
@@ -250,10 +259,11 @@ __device__ __forceinline__ float gated_add(float x, float o, float gate) {
 
 __device__ __forceinline__ void gated_residual_body(const GatedResidualParams& p) {
     const u32 chunks_per_row = (u32)(p.cols / 8);
-    const u64 total = (u64)p.rows * chunks_per_row;
-    const u64 stride = (u64)gridDim.x * blockDim.x;
-    for (u64 c = (u64)blockIdx.x * blockDim.x + threadIdx.x; c < total; c += stride) {
-        const i64 row = (i64)(c / chunks_per_row), col = (i64)(c % chunks_per_row) * 8;
+    const u32 total = (u32)p.rows * chunks_per_row;
+    const u32 stride = gridDim.x * blockDim.x;
+    for (u32 c = blockIdx.x * blockDim.x + threadIdx.x; c < total; c += stride) {
+        const u32 row32 = c / chunks_per_row;
+        const i64 row = (i64)row32, col = (i64)(c - row32 * chunks_per_row) * 8;
         u16* xp = p.x + row * p.x_row_stride + col;
         u32x4 x = load_16B(xp);
         u32x4 o = load_16B_stream(p.other + row * p.other_row_stride + col);

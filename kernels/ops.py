@@ -57,7 +57,16 @@ class _GatedResidualParams(ctypes.Structure):
     ]
 
 
-PACK_THREADS, ABSMAX_THREADS, RESIDUAL_THREADS, ITEMS = 256, 512, 256, 4  # must match nvfp4_pack.cu
+# Launch shape; must match the defaults in nvfp4_pack.cu. TUNING_DEFINES overrides both (benchmarks only).
+DEFAULT_TUNING = {"PACK_THREADS": 256, "ABSMAX_THREADS": 512, "ITEMS": 4, "ABSMAX_CTAS_PER_SM": 4}
+RESIDUAL_THREADS = 256
+TUNING_DEFINES: tuple = ()
+
+
+def _module(device: torch.device):
+    mod = runtime.module(device.index, defines=TUNING_DEFINES)
+    tuning = {**DEFAULT_TUNING, **{k: int(v) for k, v in mod.defines.items() if k in DEFAULT_TUNING}}
+    return mod, tuning
 
 
 def _roundup(v: int, m: int) -> int:
@@ -106,8 +115,8 @@ def pack_support(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulatio
         idx = modulation.mod_index
         if idx.dtype != torch.int32 or idx.shape != (x.shape[0],) or idx.device != x.device:
             return "the modulation index must be int32 [M] on the activation's device"
-    if x.shape[0] * (_roundup(k // 16, 4) // 4) * 8 >= 2**31:
-        return "the activation is too large for one launch"
+    if _roundup(x.shape[0], 128) * (_roundup(k // 16, 4) // 4) * 8 >= 2**31:
+        return "the activation is too large for one launch"  # the kernels index with 32-bit integers
     return None
 
 
@@ -212,7 +221,7 @@ def pack_nvfp4(
     scales = buf[s_off:s_off + s_bytes].view(rows128, groups * 4).view(torch.float8_e4m3fn)
     scalars = buf[g_off:g_off + 8].view(torch.float32)
 
-    mod = runtime.module(x.device.index)
+    mod, tuning = _module(x.device)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     src = _source(x, k, swiglu, modulation)
     alpha = None
@@ -224,17 +233,19 @@ def pack_nvfp4(
             weight_scale_2.data_ptr() if want_alpha else None,
         )
         chunks = rows * (k // 8)
-        grid = max(1, min(-(-chunks // (ABSMAX_THREADS * ITEMS)), mod.sm_count * 4))
-        mod.launch(f"nvfp4_absmax_{variant}", grid, ABSMAX_THREADS, params, stream)
+        threads = tuning["ABSMAX_THREADS"]
+        grid = max(1, min(-(-chunks // (threads * tuning["ITEMS"])), mod.sm_count * tuning["ABSMAX_CTAS_PER_SM"]))
+        mod.launch(f"nvfp4_absmax_{variant}", grid, threads, params, stream)
         global_scale = scalars[0:1]
         alpha = scalars[1:2] if want_alpha else None
     else:
         global_scale = static_scale.reshape(1)
     tasks = rows128 * groups * 8
-    grid = max(1, min(-(-tasks // (PACK_THREADS * ITEMS)), mod.sm_count * 64))
+    threads = tuning["PACK_THREADS"]
+    grid = max(1, min(-(-tasks // (threads * tuning["ITEMS"])), mod.sm_count * 64))
     params = _PackParams(src, global_scale.data_ptr(), qdata.data_ptr(), scales.view(torch.uint8).data_ptr(),
                          rows16, rows128, groups)
-    mod.launch(f"nvfp4_pack_{variant}", grid, PACK_THREADS, params, stream)
+    mod.launch(f"nvfp4_pack_{variant}", grid, threads, params, stream)
     return PackedActivation(qdata, scales, global_scale, alpha, rows, k)
 
 
@@ -247,7 +258,7 @@ def gated_residual_(x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor, mo
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, other {tuple(other.shape)}, gate {tuple(gate.shape)}")
     if mod_index.dtype != torch.int32 or mod_index.shape != (x.shape[0],):
         raise ValueError("mod_index must be int32 [M]")
-    mod = runtime.module(x.device.index)
+    mod, _ = _module(x.device)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     params = _GatedResidualParams(
         x.data_ptr(), x.stride(0), other.data_ptr(), other.stride(0), gate.data_ptr(), gate.stride(0),

@@ -115,8 +115,10 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(root)
 
 
-def compile_cubin(arch: str, source: str = SOURCES[0]) -> bytes:
-    """Compile one source for ``arch`` (e.g. ``"sm_121a"``) with NVRTC and return the cubin bytes."""
+def compile_cubin(arch: str, source: str = SOURCES[0], defines: tuple = ()) -> bytes:
+    """Compile one source for ``arch`` (e.g. ``"sm_121a"``) with NVRTC and return the cubin bytes.
+
+    ``defines``: ``((name, value), ...)`` tuning overrides passed as ``-D`` (benchmarks only)."""
     lib = nvrtc()
     prog = ctypes.c_void_p()
     header_names = [h.encode() for h in HEADERS]
@@ -130,7 +132,8 @@ def compile_cubin(arch: str, source: str = SOURCES[0]) -> bytes:
         "nvrtcCreateProgram",
     )
     try:
-        options = [f"--gpu-architecture={arch}".encode(), *[o.encode() for o in NVRTC_OPTIONS]]
+        options = [f"--gpu-architecture={arch}".encode(), *[o.encode() for o in NVRTC_OPTIONS],
+                   *[f"-D{k}={v}".encode() for k, v in defines]]
         result = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
         if result != 0:
             size = ctypes.c_size_t()
@@ -147,16 +150,16 @@ def compile_cubin(arch: str, source: str = SOURCES[0]) -> bytes:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-def cached_cubin(arch: str, source: str = SOURCES[0]) -> bytes:
+def cached_cubin(arch: str, source: str = SOURCES[0], defines: tuple = ()) -> bytes:
     key = hashlib.sha256(
-        repr((CACHE_SCHEMA, source, source_digest(), NVRTC_OPTIONS, arch, nvrtc_version())).encode()
+        repr((CACHE_SCHEMA, source, source_digest(), NVRTC_OPTIONS, defines, arch, nvrtc_version())).encode()
     ).hexdigest()[:32]
     path = cache_dir() / f"{pathlib.Path(source).stem}-{arch}-{key}.cubin"
     try:
         return path.read_bytes()
     except OSError:
         pass
-    cubin = compile_cubin(arch, source)
+    cubin = compile_cubin(arch, source, defines)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
@@ -210,14 +213,15 @@ def device_arch(device_index: int) -> str:
 class Module:
     """The compiled kernels of one source on one device."""
 
-    def __init__(self, device_index: int, source: str = SOURCES[0]):
+    def __init__(self, device_index: int, source: str = SOURCES[0], defines: tuple = ()):
         import torch
 
         self.device_index = device_index
+        self.defines = dict(defines)
         self.arch = device_arch(device_index)
         if self.arch not in SUPPORTED_ARCHS:
             raise KernelBuildError(f"no kernels for {self.arch} (supported: {', '.join(SUPPORTED_ARCHS)})")
-        cubin = cached_cubin(self.arch, source)
+        cubin = cached_cubin(self.arch, source, defines)
         lib = driver()
         with torch.cuda.device(device_index):
             torch.cuda.current_stream()  # makes the device's primary context current on this thread
@@ -249,17 +253,17 @@ class Module:
         _check_cu(lib, result, f"cuLaunchKernel({name})")
 
 
-_modules: dict[tuple[int, str], Module] = {}
+_modules: dict[tuple, Module] = {}
 _modules_lock = threading.Lock()
 
 
-def module(device_index: int, source: str = SOURCES[0]) -> Module:
-    key = (device_index, source)
+def module(device_index: int, source: str = SOURCES[0], defines: tuple = ()) -> Module:
+    key = (device_index, source, defines)
     mod = _modules.get(key)
     if mod is None:
         with _modules_lock:
             mod = _modules.get(key)
             if mod is None:
-                mod = Module(device_index, source)
+                mod = Module(device_index, source, defines)
                 _modules[key] = mod
     return mod

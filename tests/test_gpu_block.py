@@ -32,7 +32,7 @@ def test_full_width_block_bit_identical(static_layers, per_token_video):
     block = mirror.make_block(mirror.H3_HIDDEN, mirror.H3_HEADS, mirror.H3_HEAD_DIM, mirror.H3_FFN, mirror.H3_T_DIM,
                               seed=seed, device="cuda", static_scale_layers=static_layers)
     x, t_emb, segments, rope = mirror.make_inputs(
-        100, 207, 37296, seed=seed + 1, device="cuda", hidden=mirror.H3_HIDDEN, head_dim=mirror.H3_HEAD_DIM,
+        100, 414, 37296, seed=seed + 1, device="cuda", hidden=mirror.H3_HIDDEN, head_dim=mirror.H3_HEAD_DIM,
         t_dim=mirror.H3_T_DIM, n_timesteps=2, per_token_video=per_token_video)
     assert x.shape[0] == 37810
 
