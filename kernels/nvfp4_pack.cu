@@ -17,14 +17,14 @@
 //                    here (pad rows of qdata, pad rows and columns of the scales), so no zero-fill launch.
 //   h3_gated_residual  x[r] += other[r] * gate[m]  in place (ComfyUI's per-segment addcmul_).
 //
-// Thread mapping of the pack. The padded scale matrix has U = roundup(K/16, 4)/4 column groups per row; a
-// group covers 64 input columns and owns 4 contiguous scale bytes of the swizzled layout. One group is
-// handled by 8 consecutive lanes, each loading 8 bf16 (one 16-byte load): lanes 2j and 2j+1 form 16-block j
-// (absmax by one shuffle), lane 0 of the group gathers the 4 scale bytes and stores them as one word. A warp
-// thus reads 512 contiguous input bytes and writes 128 contiguous qdata bytes per step; each thread keeps
-// ITEMS independent steps in flight to cover HBM latency. Rows cover [0, roundup(roundup(M,16),128)):
-// rows in [M, roundup(M,16)) are packed from zeros (as comfy-kitchen pads them), rows beyond only get zero
-// scales.
+// Thread mapping of the pack. One warp packs one row at a time. The padded scale matrix has
+// U = roundup(K/16, 4)/4 column groups per row; a group covers 64 input columns and owns 4 contiguous scale
+// bytes of the swizzled layout. One group is handled by 8 consecutive lanes, each loading 8 bf16 (one 16-byte
+// load): lanes 2j and 2j+1 form 16-block j (absmax by one shuffle), lane 0 of the group gathers the 4 scale
+// bytes and stores them as one word. A warp thus reads 512 contiguous input bytes and writes 128 contiguous
+// qdata bytes per step, with ITEMS independent steps in flight to cover HBM latency. Rows cover
+// [0, roundup(roundup(M,16),128)): rows in [M, roundup(M,16)) are packed from zeros (as comfy-kitchen pads
+// them), rows beyond only get zero scales.
 //
 // Requirements checked on the host (kernels/ops.py): K % 16 == 0, 16-byte aligned rows and tables.
 #include "nvfp4_common.cuh"
@@ -195,55 +195,53 @@ __device__ __forceinline__ void absmax_body(const AbsmaxParams& p) {
 template <class Source>
 __device__ __forceinline__ void pack_body(const PackParams& p) {
     const SourceParams& s = p.src;
-    // 32-bit index math: the host guarantees rows128 * groups * 8 < 2^31 (64-bit division is slow).
-    const u32 lanes_per_row = (u32)(p.groups * 8);
-    const u32 total = (u32)p.rows128 * lanes_per_row;
-    const u32 scale_cols = (u32)(p.groups * 4);
+    // One warp per row (warp-uniform row checks, no index division); lanes stride the row's scale groups.
+    // 32-bit index math: the host guarantees rows128 * groups * 8 < 2^31.
+    const u32 lanes_per_row = (u32)p.groups * 8;
+    const u32 cols = (u32)s.cols, rows = (u32)s.rows, rows16 = (u32)p.rows16, rows128 = (u32)p.rows128;
+    const u32 scale_groups = (u32)p.groups;
     const float g = p.global_scale[0];
-    const int lane = threadIdx.x & 31;
-    const u32 group_leader = (u32)lane & ~7u;
-
+    const u32 lane = threadIdx.x & 31;
+    const u32 group_leader = lane & ~7u;
     const u32 warps_total = gridDim.x * (blockDim.x >> 5);
-    const u32 warp_id = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    for (u32 chunk = warp_id; chunk * 32 * ITEMS < total; chunk += warps_total) {
-        u32 w[ITEMS][4];
-        i64 row[ITEMS], col[ITEMS];
-#pragma unroll
-        for (int i = 0; i < ITEMS; ++i) {
-            u32 t = chunk * 32 * ITEMS + (u32)i * 32 + lane;
-            u32 r = t / lanes_per_row;
-            row[i] = (i64)r;
-            col[i] = (i64)(t - r * lanes_per_row) * 8;
-            if (t < total && row[i] < s.rows && col[i] < s.cols) {
-                Source::load(s, row[i], col[i], w[i]);
-            } else {
-                w[i][0] = w[i][1] = w[i][2] = w[i][3] = 0;  // padding rows are packed from zeros
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < ITEMS; ++i) {
-            const u32 t = chunk * 32 * ITEMS + (u32)i * 32 + lane;
-            u32 pair_max = bf16x2_max(bf16x2_absmax(w[i][0], w[i][1]), bf16x2_absmax(w[i][2], w[i][3]));
-            u16 mine = bf16x2_hmax(pair_max);
-            u16 other = (u16)__shfl_xor_sync(0xFFFFFFFFu, (u32)mine, 1);
-            u16 block_absmax = bf16x2_hmax((u32)mine | ((u32)other << 16));
-            BlockScale bs = block_scale_from_absmax(block_absmax, g);
 
-            const bool in_cols = col[i] < s.cols;
-            const bool packed_row = row[i] < p.rows16;
-            u32 scale_byte = (in_cols && packed_row) ? (u32)bs.byte : 0u;
-            u32 b1 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 2);
-            u32 b2 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 4);
-            u32 b3 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 6);
-            if (t >= total) continue;
-            if (packed_row && in_cols) {
-                u32 codes = encode8(w[i], bs.encode);
-                *reinterpret_cast<u32*>(p.qdata + row[i] * (s.cols / 2) + col[i] / 2) = codes;
+    for (u32 row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; row < rows128; row += warps_total) {
+        const bool data_row = row < rows;     // rows [M, roundup(M,16)) are packed from zeros
+        const bool packed_row = row < rows16; // rows beyond only carry zero scales
+        u8* qrow = p.qdata + (u64)row * (cols / 2);
+        u8* srow = p.scales + (u64)(row >> 7) * scale_groups * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4;
+        for (u32 c0 = 0; c0 < lanes_per_row; c0 += 32 * ITEMS) {
+            u32 w[ITEMS][4];
+#pragma unroll
+            for (int i = 0; i < ITEMS; ++i) {
+                const u32 col = (c0 + 32 * i + lane) * 8;
+                if (data_row && col < cols) {
+                    Source::load(s, (i64)row, (i64)col, w[i]);
+                } else {
+                    w[i][0] = w[i][1] = w[i][2] = w[i][3] = 0;
+                }
             }
-            if ((u32)lane == group_leader) {
-                const i64 block_col = col[i] / 16;  // first of the group's 4 scale columns
-                u32 off = swizzled_scale_offset32((u32)row[i], (u32)block_col, scale_cols);
-                *reinterpret_cast<u32*>(p.scales + off) = scale_byte | (b1 << 8) | (b2 << 16) | (b3 << 24);
+#pragma unroll
+            for (int i = 0; i < ITEMS; ++i) {
+                const u32 c = c0 + 32 * i + lane;
+                const u32 col = c * 8;
+                u32 pair_max = bf16x2_max(bf16x2_absmax(w[i][0], w[i][1]), bf16x2_absmax(w[i][2], w[i][3]));
+                u16 mine = bf16x2_hmax(pair_max);
+                u16 other = (u16)__shfl_xor_sync(0xFFFFFFFFu, (u32)mine, 1);
+                BlockScale bs = block_scale_from_absmax(bf16x2_hmax((u32)mine | ((u32)other << 16)), g);
+
+                const bool in_cols = col < cols;
+                u32 scale_byte = (in_cols && packed_row) ? (u32)bs.byte : 0u;
+                u32 b1 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 2);
+                u32 b2 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 4);
+                u32 b3 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 6);
+                if (c >= lanes_per_row) continue;
+                if (packed_row && in_cols) {
+                    *reinterpret_cast<u32*>(qrow + col / 2) = encode8(w[i], bs.encode);
+                }
+                if (lane == group_leader) {  // this group's 4 scale bytes are one aligned word of its tile
+                    *reinterpret_cast<u32*>(srow + (c >> 3) * 512) = scale_byte | (b1 << 8) | (b2 << 16) | (b3 << 24);
+                }
             }
         }
     }

