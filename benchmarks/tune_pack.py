@@ -23,15 +23,19 @@ from bench_pack import time_ms  # noqa: E402
 from h3_fused_nvfp4.kernels import ops  # noqa: E402
 
 ROWS = 37810
+# "probe_*" variants are timing probes that compute wrong bytes on purpose (expected to show DIFF): they bound
+# how much of the time is the E2M1 conversion or the scale stores.
 VARIANTS = {
     "default": (),
-    "e2m1_rni": (("E2M1_SW_IMPL", "1"),),
+    "e2m1_compare": (("E2M1_SW_IMPL", "0"),),
+    "e2m1_intbits": (("E2M1_SW_IMPL", "2"),),
     "items2": (("ITEMS", "2"),),
     "items8": (("ITEMS", "8"),),
     "pack512": (("PACK_THREADS", "512"),),
     "pack128": (("PACK_THREADS", "128"),),
-    "absmax256_8sm": (("ABSMAX_THREADS", "256"), ("ABSMAX_CTAS_PER_SM", "8")),
-    "absmax1024_2sm": (("ABSMAX_THREADS", "1024"), ("ABSMAX_CTAS_PER_SM", "2")),
+    "plain_l1_alloc": (("PLAIN_LOAD_NO_ALLOCATE", "0"),),
+    "probe_no_e2m1": (("E2M1_SW_IMPL", "9"),),
+    "probe_no_scale_store": (("PACK_SKIP_SCALE_STORE", "1"),),
 }
 
 

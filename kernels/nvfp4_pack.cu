@@ -84,9 +84,17 @@ struct GatedResidualParams {
 
 // ---- sources ---------------------------------------------------------------------------------------------
 
+#ifndef PLAIN_LOAD_NO_ALLOCATE
+#define PLAIN_LOAD_NO_ALLOCATE 1
+#endif
+
 struct PlainSource {
     static __device__ __forceinline__ void load(const SourceParams& p, i64 row, i64 col, u32 w[4]) {
+#if PLAIN_LOAD_NO_ALLOCATE
         u32x4 v = load_16B_stream(p.x + row * p.x_row_stride + col);
+#else
+        u32x4 v = load_16B(p.x + row * p.x_row_stride + col);
+#endif
         w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
     }
 };
@@ -239,9 +247,11 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
                 if (packed_row && in_cols) {
                     *reinterpret_cast<u32*>(qrow + col / 2) = encode8(w[i], bs.encode);
                 }
+#ifndef PACK_SKIP_SCALE_STORE  // timing probe only (benchmarks/tune_pack.py)
                 if (lane == group_leader) {  // this group's 4 scale bytes are one aligned word of its tile
                     *reinterpret_cast<u32*>(srow + (c >> 3) * 512) = scale_byte | (b1 << 8) | (b2 << 16) | (b3 << 24);
                 }
+#endif
             }
         }
     }

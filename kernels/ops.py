@@ -267,3 +267,53 @@ def gated_residual_(x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor, mo
     grid = max(1, min(-(-chunks // RESIDUAL_THREADS), mod.sm_count * 32))
     mod.launch("h3_gated_residual", grid, RESIDUAL_THREADS, params, stream)
     return x
+
+
+# ---- per-head RMSNorm + split-half RoPE (kernels/h3_rms_rope.cu) -------------------------------------------
+
+class _RmsRopeParams(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("row_stride", ctypes.c_int64), ("freqs", ctypes.c_void_p),
+        ("q_weight", ctypes.c_void_p), ("k_weight", ctypes.c_void_p), ("tokens", ctypes.c_int64),
+        ("heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("rot_dim", ctypes.c_int32), ("eps", ctypes.c_float),
+    ]
+
+
+ROPE_THREADS = 256  # must match h3_rms_rope.cu
+ROPE_HEAD_DIM, ROPE_ROT_DIM = 128, 96
+
+
+def rms_rope_support(q, k, freqs, q_weight, k_weight, rot_dim) -> str | None:
+    """``None`` if :func:`rms_rope_split_half_` takes these tensors (H3's layout), else the reason."""
+    if not (q.is_cuda and k.is_cuda and freqs.is_cuda):
+        return "not on a CUDA device"
+    if any(t.dtype != torch.bfloat16 for t in (q, k, freqs, q_weight, k_weight)):
+        return "q, k, rope table and norm weights must all be bfloat16"
+    if q.dim() != 4 or q.shape != k.shape or q.shape[0] != 1 or q.shape[-1] != ROPE_HEAD_DIM or rot_dim != ROPE_ROT_DIM:
+        return f"only [1, S, H, {ROPE_HEAD_DIM}] q/k with rot_dim {ROPE_ROT_DIM} (H3) are handled"
+    if q.stride(-1) != 1 or q.stride(-2) != ROPE_HEAD_DIM or k.stride() != q.stride():
+        return "q and k must be head-contiguous views with equal strides"
+    s = q.shape[1]
+    if freqs.shape != (1, s, 1, rot_dim // 2, 2, 2) or not freqs.is_contiguous() or freqs.data_ptr() % 8:
+        return "the rope table must be a contiguous [1, S, 1, rot/2, 2, 2] tensor"
+    if q_weight.shape != (ROPE_HEAD_DIM,) or k_weight.shape != (ROPE_HEAD_DIM,) or not (
+            q_weight.is_contiguous() and k_weight.is_contiguous()):
+        return "norm weights must be contiguous [head_dim]"
+    if s * q.shape[2] >= 2**31:
+        return "too many tokens for one launch"
+    return None
+
+
+def rms_rope_split_half_(q, k, freqs, q_weight, k_weight, epsilon: float, rot_dim: int):
+    """In place: comfy-kitchen's ``rms_rope_split_half_`` for H3's layout, same bits, one read and one write."""
+    reason = rms_rope_support(q, k, freqs, q_weight, k_weight, rot_dim)
+    if reason is not None:
+        raise ValueError(reason)
+    mod = runtime.module(q.device.index, source="h3_rms_rope.cu", defines=TUNING_DEFINES)
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    tokens, heads = q.shape[1], q.shape[2]
+    params = _RmsRopeParams(q.data_ptr(), k.data_ptr(), q.stride(1), freqs.data_ptr(), q_weight.data_ptr(),
+                            k_weight.data_ptr(), tokens, heads, ROPE_HEAD_DIM, rot_dim, float(epsilon))
+    grid = max(1, min(-(-(tokens * heads) // (ROPE_THREADS // 32)), mod.sm_count * 32))
+    mod.launch("h3_rms_rope_split_half", grid, ROPE_THREADS, params, stream)
+    return q, k

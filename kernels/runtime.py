@@ -28,7 +28,7 @@ log = logging.getLogger("h3_fused_nvfp4")
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent
 HEADERS = ("nvfp4_common.cuh",)
-SOURCES = ("nvfp4_pack.cu",)
+SOURCES = ("nvfp4_pack.cu", "h3_rms_rope.cu")
 CACHE_SCHEMA = 1
 # Arch-specific targets we build for; sm_90a is the Hopper development target (software E2M1).
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a", "sm_103a", "sm_110a", "sm_120a", "sm_121a")
@@ -115,10 +115,8 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(root)
 
 
-def compile_cubin(arch: str, source: str = SOURCES[0], defines: tuple = ()) -> bytes:
-    """Compile one source for ``arch`` (e.g. ``"sm_121a"``) with NVRTC and return the cubin bytes.
-
-    ``defines``: ``((name, value), ...)`` tuning overrides passed as ``-D`` (benchmarks only)."""
+def _nvrtc_compile(arch: str, source: str, defines: tuple, get_size: str, get_data: str) -> bytes:
+    """Compile ``source`` with NVRTC for ``--gpu-architecture=arch`` and return one output (cubin or PTX)."""
     lib = nvrtc()
     prog = ctypes.c_void_p()
     header_names = [h.encode() for h in HEADERS]
@@ -142,12 +140,27 @@ def compile_cubin(arch: str, source: str = SOURCES[0], defines: tuple = ()) -> b
             lib.nvrtcGetProgramLog(prog, buf)
             raise KernelBuildError(f"NVRTC failed to compile {source} for {arch}:\n{buf.value.decode(errors='replace')}")
         size = ctypes.c_size_t()
-        _check_nvrtc(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+        _check_nvrtc(getattr(lib, get_size)(prog, ctypes.byref(size)), get_size)
         buf = ctypes.create_string_buffer(size.value)
-        _check_nvrtc(lib.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
+        _check_nvrtc(getattr(lib, get_data)(prog, buf), get_data)
         return buf.raw
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def compile_cubin(arch: str, source: str = SOURCES[0], defines: tuple = ()) -> bytes:
+    """Compile one source for ``arch`` (e.g. ``"sm_121a"``) with NVRTC and return the cubin bytes.
+
+    ``defines``: ``((name, value), ...)`` tuning overrides passed as ``-D`` (benchmarks only)."""
+    return _nvrtc_compile(arch, source, defines, "nvrtcGetCUBINSize", "nvrtcGetCUBIN")
+
+
+def compile_ptx(arch: str, source: str = SOURCES[0], defines: tuple = ()) -> str:
+    """The PTX NVRTC generates for ``arch`` (``"sm_100a"`` is compiled as ``compute_100a``), for inspection:
+    tests check which instructions each target uses (e.g. the hardware E2M1 conversion on sm_100a+)."""
+    virtual = "compute_" + arch[len("sm_"):] if arch.startswith("sm_") else arch
+    ptx = _nvrtc_compile(virtual, source, defines, "nvrtcGetPTXSize", "nvrtcGetPTX")
+    return ptx.rstrip(b"\0").decode()
 
 
 def cached_cubin(arch: str, source: str = SOURCES[0], defines: tuple = ()) -> bytes:

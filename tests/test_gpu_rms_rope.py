@@ -1,0 +1,50 @@
+"""The fused per-head RMSNorm + RoPE kernel against comfy-kitchen's rms_rope_split_half_: equal bytes."""
+
+import pytest
+import torch
+
+from conftest import requires_cuda
+
+pytestmark = requires_cuda
+
+
+def _views(qkv, heads=56, head_dim=128):
+    s = qkv.shape[0]
+    inner = heads * head_dim
+    q = qkv[:, :inner].view(1, s, heads, head_dim)
+    k = qkv[:, inner:2 * inner].view(1, s, heads, head_dim)
+    return q, k
+
+
+def _rope_table(s, rot=96):
+    angles = torch.rand(s, rot // 2, device="cuda") * 100
+    c, sn = torch.cos(angles), torch.sin(angles)
+    return torch.stack([c, -sn, sn, c], dim=-1).reshape(1, s, 1, rot // 2, 2, 2).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows,case", [(37810, "random"), (301, "random"), (64, "zeros"), (64, "specials")])
+def test_matches_comfy_kitchen(rows, case):
+    import comfy_kitchen as ck
+
+    from h3_fused_nvfp4.kernels import ops
+
+    seed = torch.seed() % 2**31
+    qkv = (torch.randn(rows, 3 * 7168, device="cuda") * torch.rand(rows, 1, device="cuda") * 4).to(torch.bfloat16)
+    if case == "zeros":
+        qkv[:, :7168] = 0
+    elif case == "specials":
+        qkv[0, 5] = float("nan")
+        qkv[1, 7] = float("inf")
+        qkv[2, :128] = 1e-40  # bf16 subnormals
+        qkv[3, 300] = -0.0
+    freqs = _rope_table(rows)
+    qw = (torch.rand(128, device="cuda") + 0.5).to(torch.bfloat16)
+    kw = (torch.rand(128, device="cuda") + 0.5).to(torch.bfloat16)
+    stock, fused = qkv.clone(), qkv.clone()
+    q, k = _views(stock)
+    ck.rms_rope_split_half_(q, k, freqs, qw, kw, epsilon=1e-5, rot_dim=96)
+    q, k = _views(fused)
+    assert ops.rms_rope_support(q, k, freqs, qw, kw, 96) is None
+    ops.rms_rope_split_half_(q, k, freqs, qw, kw, 1e-5, 96)
+    diff = (stock.view(torch.int16) != fused.view(torch.int16)).sum().item()
+    assert diff == 0, f"{diff} elements differ ({case}, rows {rows}, seed {seed})"

@@ -1,0 +1,218 @@
+"""The CUDA sources build for every target the pack supports, without a GPU.
+
+* NVRTC (what the pack uses at run time; it ships with CUDA-13 builds of torch): every source compiles to a
+  cubin for each supported arch-specific target, and the cubin holds every kernel entry point.
+* nvcc, when one is on PATH: the same build, and ptxas reports no register spills.
+* PTX: sm_100a and later use the hardware E2M1 conversion, sm_90a the software path.
+* The on-disk cubin cache: atomic writes, hits, and keys that change with the sources.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from h3_fused_nvfp4.kernels import runtime
+
+# The entry points kernels/ops.py looks up by name.
+KERNELS = (
+    "nvfp4_absmax_plain",
+    "nvfp4_absmax_modulate",
+    "nvfp4_absmax_swiglu",
+    "nvfp4_pack_plain",
+    "nvfp4_pack_modulate",
+    "nvfp4_pack_swiglu",
+    "h3_gated_residual",
+)
+# Targets that must build (GB10 and RTX 50 are sm_121/sm_120, B200 sm_100, H200 the sm_90 development target).
+REQUIRED_ARCHS = ("sm_90a", "sm_100a", "sm_120a", "sm_121a")
+HW_E2M1 = "cvt.rn.satfinite.e2m1x2.f32"
+
+
+def _entry_points(source: str) -> set[str]:
+    text = (runtime.KERNEL_DIR / source).read_text()
+    return set(re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(', text))
+
+
+def test_kernel_list_matches_the_sources():
+    found = set().union(*(_entry_points(s) for s in runtime.SOURCES))
+    assert found == set(KERNELS), f"entry points in kernels/*.cu changed: {sorted(found)}; update KERNELS here"
+    assert set(REQUIRED_ARCHS) <= set(runtime.SUPPORTED_ARCHS)
+
+
+# ---- NVRTC -----------------------------------------------------------------------------------------------
+
+def _require_nvrtc():
+    try:
+        runtime.nvrtc()
+    except runtime.KernelBuildError as exc:
+        pytest.skip(f"NVRTC not available (install the CUDA-13 torch wheel, ./dev.sh setup does): {exc}")
+
+
+_cubins: dict[tuple[str, str], bytes] = {}
+
+
+def _nvrtc_cubin(arch: str, source: str) -> bytes:
+    key = (arch, source)
+    if key not in _cubins:
+        _cubins[key] = runtime.compile_cubin(arch, source)
+    return _cubins[key]
+
+
+@pytest.mark.parametrize("source", runtime.SOURCES)
+@pytest.mark.parametrize("arch", runtime.SUPPORTED_ARCHS)
+def test_nvrtc_builds_every_kernel(arch, source):
+    _require_nvrtc()
+    cubin = _nvrtc_cubin(arch, source)
+    assert len(cubin) > 0, f"empty cubin for {source} {arch}"
+    assert cubin[:4] == b"\x7fELF", f"{source} {arch}: not an ELF image"
+    missing = [k for k in KERNELS if k in _entry_points(source) and k.encode() + b"\0" not in cubin]
+    assert not missing, f"{source} {arch}: entry points missing from the cubin: {missing}"
+
+
+@pytest.mark.parametrize("arch", runtime.SUPPORTED_ARCHS)
+def test_ptx_uses_hardware_e2m1_from_sm100(arch):
+    _require_nvrtc()
+    ptx = runtime.compile_ptx(arch)
+    assert f".target {arch}" in ptx, f"compile_ptx({arch}) produced PTX for another target"
+    for kernel in KERNELS:
+        assert f".entry {kernel}(" in ptx, f"{arch}: no .entry {kernel} in the PTX"
+    major = int(re.match(r"sm_(\d+)", arch).group(1)) // 10
+    if major >= 10:
+        # A miss here is silent at run time (the software path gives the same bytes, only slower).
+        assert HW_E2M1 in ptx, f"{arch} should use the hardware E2M1 conversion ({HW_E2M1}) but builds the software path"
+    else:
+        assert HW_E2M1 not in ptx, f"{arch} has no E2M1 instruction; the software path should be built"
+
+
+@pytest.mark.parametrize("impl", ["0", "1", "2"])
+def test_sm90_software_e2m1_variants_build(impl):
+    """The alternative software E2M1 implementations (benchmarks/tune_pack.py) still compile."""
+    _require_nvrtc()
+    ptx = runtime.compile_ptx("sm_90a", defines=(("E2M1_SW_IMPL", impl),))
+    assert HW_E2M1 not in ptx
+    assert all(f".entry {k}(" in ptx for k in KERNELS)
+
+
+# ---- nvcc ------------------------------------------------------------------------------------------------
+
+def _nvcc() -> str:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not on PATH (the NVRTC build above is what the pack uses; nvcc adds the ptxas spill report)")
+    return nvcc
+
+
+def _nvcc_supports(nvcc: str, arch: str) -> bool:
+    listed = subprocess.run([nvcc, "--list-gpu-code"], capture_output=True, text=True)
+    return listed.returncode != 0 or arch in listed.stdout.split()
+
+
+@pytest.mark.parametrize("source", runtime.SOURCES)
+@pytest.mark.parametrize("arch", REQUIRED_ARCHS)
+def test_nvcc_builds_without_spills(arch, source, tmp_path):
+    nvcc = _nvcc()
+    if not _nvcc_supports(nvcc, arch):
+        pytest.skip(f"this nvcc does not know {arch}")
+    out = tmp_path / f"{arch}.cubin"
+    cmd = [nvcc, "-std=c++17", "-cubin", f"-arch={arch}", "-Xptxas", "-v",
+           str(runtime.KERNEL_DIR / source), "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{log}"
+    cubin = out.read_bytes()
+    assert len(cubin) > 0 and cubin[:4] == b"\x7fELF"
+    expected = [k for k in KERNELS if k in _entry_points(source)]
+    missing = [k for k in expected if k.encode() + b"\0" not in cubin]
+    assert not missing, f"{source} {arch}: entry points missing from the nvcc cubin: {missing}"
+    compiled = re.findall(r"Compiling entry function '(\w+)'", log)
+    assert sorted(compiled) == sorted(expected), f"ptxas compiled {compiled}"
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert len(spills) >= len(expected), f"no spill report for every kernel in:\n{log}"
+    spilling = [line for line in log.splitlines() if re.search(r"[1-9]\d* bytes spill", line)]
+    assert not spilling, f"{source} {arch}: register spills:\n{log}"
+
+
+# ---- the cubin cache -------------------------------------------------------------------------------------
+
+@pytest.fixture
+def fake_build(monkeypatch, tmp_path):
+    """cached_cubin with NVRTC replaced by a recorder, the cache in a fresh (not yet created) folder."""
+    cache = tmp_path / "cache" / "nested"
+    monkeypatch.setenv("H3_FUSED_NVFP4_CACHE", str(cache))
+    monkeypatch.setattr(runtime, "nvrtc_version", lambda: (13, 0))
+    calls = []
+
+    def compile_cubin(arch, source=runtime.SOURCES[0], defines=()):
+        calls.append((arch, source, defines))
+        return b"\x7fELF fake cubin " + f"{arch} {defines} #{len(calls)}".encode()
+
+    monkeypatch.setattr(runtime, "compile_cubin", compile_cubin)
+    return cache, calls
+
+
+def _cached_files(cache):
+    return sorted(p.name for p in cache.iterdir()) if cache.exists() else []
+
+
+def test_cache_writes_atomically_then_hits(fake_build, monkeypatch):
+    cache, calls = fake_build
+    renames = []
+    real_replace = os.replace
+
+    def spy_replace(src, dst):
+        renames.append((os.fspath(src), os.fspath(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(runtime.os, "replace", spy_replace)
+    first = runtime.cached_cubin("sm_121a")
+    assert len(calls) == 1
+    files = _cached_files(cache)
+    assert len(files) == 1 and files[0].startswith("nvfp4_pack-sm_121a-") and files[0].endswith(".cubin"), files
+    assert (cache / files[0]).read_bytes() == first
+    # Written to a temporary file in the same folder, then renamed over the final name (atomic on POSIX).
+    assert len(renames) == 1
+    src, dst = renames[0]
+    assert os.path.dirname(src) == str(cache) and src != dst and dst == str(cache / files[0])
+    assert not [f for f in files if f.endswith(".tmp")]
+
+    def must_not_compile(*args, **kwargs):
+        raise AssertionError("cache miss: compile_cubin was called although the cubin is on disk")
+
+    monkeypatch.setattr(runtime, "compile_cubin", must_not_compile)
+    assert runtime.cached_cubin("sm_121a") == first
+    assert _cached_files(cache) == files
+
+
+def test_cache_key_follows_sources_options_and_arch(fake_build, monkeypatch):
+    cache, calls = fake_build
+    runtime.cached_cubin("sm_100a")
+    names = set(_cached_files(cache))
+    assert len(names) == 1
+
+    real_digest = runtime.source_digest()
+    monkeypatch.setattr(runtime, "source_digest", lambda: "0" * 64 if real_digest != "0" * 64 else "1" * 64)
+    runtime.cached_cubin("sm_100a")  # edited kernel sources -> a new file, not the stale cubin
+    assert len(calls) == 2
+    after_edit = set(_cached_files(cache))
+    assert len(after_edit) == 2 and names < after_edit
+
+    runtime.cached_cubin("sm_100a", defines=(("ITEMS", "2"),))
+    runtime.cached_cubin("sm_120a")
+    monkeypatch.setattr(runtime, "nvrtc_version", lambda: (13, 1))
+    runtime.cached_cubin("sm_120a")
+    assert len(calls) == 5
+    assert len(_cached_files(cache)) == 5
+
+
+def test_unwritable_cache_still_returns_the_cubin(fake_build, monkeypatch, tmp_path):
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("H3_FUSED_NVFP4_CACHE", str(blocker / "cache"))
+    _, calls = fake_build
+    cubin = runtime.cached_cubin("sm_90a")
+    assert cubin.startswith(b"\x7fELF") and len(calls) == 1
