@@ -29,6 +29,7 @@ another node, non-CUDA tensors, ...) runs the stock op sequence (reference/h3_op
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
@@ -82,6 +83,69 @@ def _fused_backend(x: torch.Tensor):
         return backend_for(x)
     except runtime.KernelBuildError:
         return None  # FusedNVFP4Linear logs the build failure once per layer
+
+
+def _cast_weight(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
+    try:
+        import comfy.model_management
+
+        return comfy.model_management.cast_to(weight, device=device)
+    except ImportError:
+        return weight.to(device)
+
+
+def _in_training() -> bool:
+    try:
+        import comfy.model_management
+
+        return bool(getattr(comfy.model_management, "in_training", False))
+    except ImportError:
+        return False
+
+
+class FusedAttention:
+    """``Attention.forward`` of an H3 DiTBlock with comfy-kitchen's rms_rope_split_half_ replaced by the
+    bit-identical kernels/h3_rms_rope.cu (one read and one write of q and k instead of two reads).
+
+    Everything else is ComfyUI's sequence: qkv_proj (fused pack when patched), q/k/v views of its output, the
+    attention function the block's own module imports (``optimized_attention``: the user's backend, overrides
+    and sparse attention), ``AttentionTensorContainer`` boxes where that module has them, out_proj. Anything
+    the kernel does not take (training, another layout) runs the layer's stock forward or comfy-kitchen's op.
+    """
+
+    def __init__(self, attn):
+        self.attn = attn
+        self.stock_forward = type(attn).forward.__get__(attn)
+        module = sys.modules.get(type(attn).__module__)
+        self.attention_function = getattr(module, "optimized_attention", None)
+        self.container = getattr(module, "AttentionTensorContainer", None)
+
+    def __call__(self, x, rope_freqs=None, transformer_options={}):
+        attn = self.attn
+        if rope_freqs is None or self.attention_function is None or _in_training() or not x.is_cuda:
+            return self.stock_forward(x, rope_freqs=rope_freqs, transformer_options=transformer_options)
+        s = x.shape[0]
+        heads, head_dim = attn.heads, attn.head_dim
+        q, k, v = attn.qkv_proj(x).split(heads * head_dim, dim=-1)
+        v = v.view(s, heads, head_dim)
+        q = q.view(1, s, heads, head_dim)
+        k = k.view(1, s, heads, head_dim)
+        qw = _cast_weight(attn.q_norm.weight, x.device)
+        kw = _cast_weight(attn.k_norm.weight, x.device)
+        rot = rope_freqs.shape[-3] * 2
+        if ops.rms_rope_support(q, k, rope_freqs, qw, kw, rot) is None:
+            ops.rms_rope_split_half_(q, k, rope_freqs, qw, kw, attn.q_norm.eps, rot)
+        else:
+            import comfy_kitchen as ck
+
+            ck.rms_rope_split_half_(q, k, rope_freqs, qw, kw, epsilon=attn.q_norm.eps, rot_dim=rot)
+        boxes = self.container or (lambda t: t)
+        q = boxes(q[0].transpose(0, 1).unsqueeze(0))
+        k = boxes(k[0].transpose(0, 1).unsqueeze(0))
+        v = boxes(v.transpose(0, 1).unsqueeze(0))
+        out = self.attention_function(q, k, v, heads, preferred_attention=getattr(attn, "comfy_attention", None),
+                                      mask=None, skip_reshape=True, transformer_options=transformer_options)
+        return attn.out_proj(out.squeeze(0))
 
 
 class FusedSwigluMLP:

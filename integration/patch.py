@@ -7,6 +7,7 @@ changes a class or a module-level function.
 Patched keys (``diffusion_model.`` prefix):
 
     blocks.{i}.forward                        FusedDiTBlock      (scope "block")
+    blocks.{i}.attn.forward                   FusedAttention     (scope "block": RMSNorm+RoPE kernel)
     blocks.{i}.mlp.forward                    FusedSwigluMLP     (SwiGLU folded into fc2's pack)
     token_refiner.blocks.{i}.mlp.forward      FusedSwigluMLP
     ...{attn.qkv_proj,attn.out_proj,mlp.fc1,mlp.fc2}.forward   FusedNVFP4Linear, NVFP4 layers only
@@ -23,14 +24,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels import runtime
-from .block import FusedDiTBlock, FusedSwigluMLP, ModulationIndexCache
+from .block import FusedAttention, FusedDiTBlock, FusedSwigluMLP, ModulationIndexCache
 from .linear import FusedNVFP4Linear, gemm_mode, is_nvfp4_linear
 
 log = logging.getLogger("h3_fused_nvfp4")
 
 STATE_KEY = "h3_fused_nvfp4"  # transformer_options entry describing what this pack did to a clone
 SCOPES = ("block", "linears")
-PATCH_TYPES = (FusedNVFP4Linear, FusedSwigluMLP, FusedDiTBlock)
+PATCH_TYPES = (FusedNVFP4Linear, FusedSwigluMLP, FusedDiTBlock, FusedAttention)
 
 
 @dataclass
@@ -176,6 +177,7 @@ def build_patches(diffusion_model, scope: str = "block") -> tuple[dict[str, obje
             if scope == "block":
                 patches[f"{blk.prefix}.forward"] = FusedDiTBlock(
                     blk.module, blk.prefix, fused.get("attn.qkv_proj"), mlp, index_cache)
+                patches[f"{blk.prefix}.attn.forward"] = FusedAttention(blk.module.attn)
         else:
             report.refiner_blocks += 1
     if not report.layers:
@@ -242,9 +244,14 @@ def apply_fused(model_patcher, scope: str = "block", *, allow_reference_backend:
             if not ok:
                 report.applied, report.reason = False, f"kernels unavailable on {report.device}: {report.kernels}"
     if report.applied:
-        report.gemm = "cuBLASLt NVFP4" if gemm_mode(device) == "nvfp4" else (
-            "ComfyUI keeps NVFP4 layers in bf16 on this GPU (no FP4 tensor cores); fused path used only when "
-            "NVFP4 compute is forced on, with an emulated GEMM (dequantize + bf16 matmul)")
+        if gemm_mode(device) == "nvfp4":
+            report.gemm = "cuBLASLt NVFP4"
+        elif device.type == "cuda":
+            report.gemm = ("none on this GPU (no FP4 tensor cores): ComfyUI keeps NVFP4 layers in bf16 here, so the "
+                           "fused path only runs when NVFP4 compute is forced on, with an emulated GEMM "
+                           "(dequantize + bf16 matmul)")
+        else:
+            report.gemm = "emulated (dequantize + bf16 matmul)"
         for key, value in patches.items():
             clone.add_object_patch(f"diffusion_model.{key}", value)
     _set_state(clone, mode="fused" if report.applied else "comfy", scope=scope, summary=report.summary())

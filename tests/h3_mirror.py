@@ -15,7 +15,7 @@ same dtypes, same in-place updates, and comfy_kitchen (``ck``) is called exactly
 
 Deliberate differences, all outside the arithmetic:
 * q/k/v reach the attention function as plain ``[1, H, S, D]`` views, not ``AttentionTensorContainer`` boxes.
-* ComfyUI's pytorch attention backend is the default (``sdpa_attention``). ``MirrorAttention.attention_fn``
+* ComfyUI's pytorch attention backend is the default (``sdpa_attention``). ``MirrorAttention.comfy_attention.function``
   swaps it, and ``transformer_options["optimized_attention_override"]`` is honoured as ComfyUI does.
 * On CPU, ck's eager ``scaled_mm_nvfp4`` raises ``ValueError`` ("CPU does not support swizzle"). ck's linear
   handler only catches RuntimeError/TypeError, so ``MirrorNVFP4Linear`` catches ValueError itself and runs the
@@ -233,12 +233,25 @@ def sdpa_attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=
     return out.transpose(1, 2).reshape(b, -1, heads * dim_head)
 
 
-def _call_attention(fn, q, k, v, heads, transformer_options):
-    # optimized_attention's wrapper: an override in transformer_options gets the undecorated backend first.
+class MirrorComfyAttention:
+    """ComfyUI's ``ComfyAttention``: ``function`` is a per-layer backend chosen by the checkpoint (None = global)."""
+
+    def __init__(self, function=None):
+        self.function = function
+
+
+def optimized_attention(q, k, v, heads, mask=None, skip_reshape=False, transformer_options={},
+                        preferred_attention=None, **kwargs):
+    """ComfyUI's ``optimized_attention`` as H3 imports it: an override in transformer_options gets the
+    undecorated backend first; otherwise the layer's preferred backend, otherwise the global one (SDPA here)."""
+    fn = sdpa_attention
     override = transformer_options.get("optimized_attention_override") if transformer_options else None
     if override is not None:
-        return override(fn, q, k, v, heads, mask=None, skip_reshape=True, transformer_options=transformer_options)
-    return fn(q, k, v, heads, mask=None, skip_reshape=True, transformer_options=transformer_options)
+        return override(fn, q, k, v, heads, mask=mask, skip_reshape=skip_reshape,
+                        transformer_options=transformer_options, **kwargs)
+    if preferred_attention is not None and preferred_attention.function is not None:
+        fn = preferred_attention.function
+    return fn(q, k, v, heads, mask=mask, skip_reshape=skip_reshape, transformer_options=transformer_options, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -269,7 +282,8 @@ class MirrorAttention(nn.Module):
     def __init__(self, hidden: int, heads: int, head_dim: int, qkv_proj: nn.Module, q_norm: MirrorRMSNorm,
                  k_norm: MirrorRMSNorm, out_proj: nn.Module, attention_fn=None):
         super().__init__()
-        self.comfy_attention = None
+        # attention_fn plays the role of a checkpoint-selected backend (ComfyAttention.function).
+        self.comfy_attention = MirrorComfyAttention(attention_fn)
         self.heads = heads
         self.head_dim = head_dim
         self.hidden = hidden
@@ -278,8 +292,6 @@ class MirrorAttention(nn.Module):
         self.k_norm = k_norm
         self.out_proj = out_proj
         self.to_gate_compress = None
-        # Signature of a ComfyUI attention backend; called with [1,H,S,D] views, must return [1,S,H*D].
-        self.attention_fn = sdpa_attention if attention_fn is None else attention_fn
 
     def forward(self, x: torch.Tensor, rope_freqs: torch.Tensor | None = None, transformer_options={}):
         with torch.inference_mode():
@@ -302,7 +314,8 @@ class MirrorAttention(nn.Module):
             q = q.transpose(0, 1).unsqueeze(0)
             k = k.transpose(0, 1).unsqueeze(0)
             v = v.transpose(0, 1).unsqueeze(0)
-            out = _call_attention(self.attention_fn, q, k, v, self.heads, transformer_options)
+            out = optimized_attention(q, k, v, self.heads, preferred_attention=self.comfy_attention, mask=None,
+                                      skip_reshape=True, transformer_options=transformer_options)
             return self.out_proj(out.squeeze(0))
 
 

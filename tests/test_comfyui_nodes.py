@@ -109,6 +109,7 @@ def expected_patch_keys(scope: str = "block") -> set[str]:
             keys.update(f"{block}.{path}.forward" for path in patch_mod.LINEAR_PATHS)
             if prefix == "blocks" and scope == "block":
                 keys.add(f"{block}.forward")
+                keys.add(f"{block}.attn.forward")
     return keys
 
 

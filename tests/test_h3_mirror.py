@@ -120,7 +120,7 @@ def test_rope_path_matches_ck_reference():
         captured["q"], captured["k"], captured["v"] = q.clone(), k.clone(), v.clone()
         return hm.sdpa_attention(q, k, v, heads, mask=mask, skip_reshape=skip_reshape, **kw)
 
-    attn.attention_fn = capture
+    attn.comfy_attention.function = capture
     with torch.inference_mode():
         attn(h, rope_freqs=rope)
         qkv = attn.qkv_proj(h)
