@@ -27,11 +27,13 @@ ROWS = 37810
 # how much of the time is the E2M1 conversion or the scale stores.
 VARIANTS = {
     "default": (),
+    "lane16_items2": (("PACK_LANE_ELEMS", "16"), ("ITEMS", "2")),
+    "lane16_items2_l1": (("PACK_LANE_ELEMS", "16"), ("ITEMS", "2"), ("PLAIN_LOAD_NO_ALLOCATE", "0")),
+    "lane16_items4": (("PACK_LANE_ELEMS", "16"), ("ITEMS", "4")),
+    "lane16_items1": (("PACK_LANE_ELEMS", "16"), ("ITEMS", "1")),
     "e2m1_compare": (("E2M1_SW_IMPL", "0"),),
     "e2m1_intbits": (("E2M1_SW_IMPL", "2"),),
     "items2": (("ITEMS", "2"),),
-    "items8": (("ITEMS", "8"),),
-    "pack512": (("PACK_THREADS", "512"),),
     "pack128": (("PACK_THREADS", "128"),),
     "plain_l1_alloc": (("PLAIN_LOAD_NO_ALLOCATE", "0"),),
     "probe_no_e2m1": (("E2M1_SW_IMPL", "9"),),

@@ -33,6 +33,9 @@
 #ifndef ITEMS
 #define ITEMS 4
 #endif
+#ifndef PACK_LANE_ELEMS
+#define PACK_LANE_ELEMS 8  // 8: a lane packs half a 16-block; 16: a whole block (pack_body16)
+#endif
 #ifndef PACK_THREADS
 #define PACK_THREADS 256
 #endif
@@ -257,6 +260,65 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
     }
 }
 
+
+// Variant: one lane per 16-block (two 16-byte loads): no pair shuffle, one block-scale computation per block,
+// 4 lanes per scale group. Selected with PACK_LANE_ELEMS=16.
+template <class Source>
+__device__ __forceinline__ void pack_body16(const PackParams& p) {
+    const SourceParams& s = p.src;
+    const u32 lanes_per_row = (u32)p.groups * 4;
+    const u32 cols = (u32)s.cols, rows = (u32)s.rows, rows16 = (u32)p.rows16, rows128 = (u32)p.rows128;
+    const u32 scale_groups = (u32)p.groups;
+    const float g = p.global_scale[0];
+    const u32 lane = threadIdx.x & 31;
+    const u32 group_leader = lane & ~3u;
+    const u32 warps_total = gridDim.x * (blockDim.x >> 5);
+
+    for (u32 row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; row < rows128; row += warps_total) {
+        const bool data_row = row < rows;
+        const bool packed_row = row < rows16;
+        u8* qrow = p.qdata + (u64)row * (cols / 2);
+        u8* srow = p.scales + (u64)(row >> 7) * scale_groups * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4;
+        for (u32 c0 = 0; c0 < lanes_per_row; c0 += 32 * ITEMS) {
+            u32 w[ITEMS][8];
+#pragma unroll
+            for (int i = 0; i < ITEMS; ++i) {
+                const u32 col = (c0 + 32 * i + lane) * 16;
+                if (data_row && col < cols) {
+                    Source::load(s, (i64)row, (i64)col, w[i]);
+                    Source::load(s, (i64)row, (i64)col + 8, w[i] + 4);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) w[i][j] = 0;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < ITEMS; ++i) {
+                const u32 c = c0 + 32 * i + lane;
+                const u32 col = c * 16;
+                u32 m = bf16x2_max(bf16x2_max(bf16x2_absmax(w[i][0], w[i][1]), bf16x2_absmax(w[i][2], w[i][3])),
+                                   bf16x2_max(bf16x2_absmax(w[i][4], w[i][5]), bf16x2_absmax(w[i][6], w[i][7])));
+                BlockScale bs = block_scale_from_absmax(bf16x2_hmax(m), g);
+                const bool in_cols = col < cols;
+                u32 scale_byte = (in_cols && packed_row) ? (u32)bs.byte : 0u;
+                u32 b1 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 1);
+                u32 b2 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 2);
+                u32 b3 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 3);
+                if (c >= lanes_per_row) continue;
+                if (packed_row && in_cols) {
+                    u32 lo = encode8(w[i], bs.encode), hi = encode8(w[i] + 4, bs.encode);
+                    asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(qrow + col / 2), "r"(lo), "r"(hi) : "memory");
+                }
+#ifndef PACK_SKIP_SCALE_STORE
+                if (lane == group_leader) {
+                    *reinterpret_cast<u32*>(srow + (c >> 2) * 512) = scale_byte | (b1 << 8) | (b2 << 16) | (b3 << 24);
+                }
+#endif
+            }
+        }
+    }
+}
+
 // ---- gated residual --------------------------------------------------------------------------------------
 
 // torch's addcmul_ in fp32 opmath. The product of two bf16 values is exact in fp32, so a fused or a separate
@@ -292,7 +354,12 @@ __device__ __forceinline__ void gated_residual_body(const GatedResidualParams& p
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_plain(const AbsmaxParams p) { absmax_body<PlainSource>(p); }
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_modulate(const AbsmaxParams p) { absmax_body<ModulateSource>(p); }
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_swiglu(const AbsmaxParams p) { absmax_body<SwigluSource>(p); }
-extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_plain(const PackParams p) { pack_body<PlainSource>(p); }
-extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_modulate(const PackParams p) { pack_body<ModulateSource>(p); }
-extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_swiglu(const PackParams p) { pack_body<SwigluSource>(p); }
+#if PACK_LANE_ELEMS == 16
+#define PACK_BODY pack_body16
+#else
+#define PACK_BODY pack_body
+#endif
+extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_plain(const PackParams p) { PACK_BODY<PlainSource>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_modulate(const PackParams p) { PACK_BODY<ModulateSource>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_swiglu(const PackParams p) { PACK_BODY<SwigluSource>(p); }
 extern "C" __global__ void __launch_bounds__(256) h3_gated_residual(const GatedResidualParams p) { gated_residual_body(p); }
