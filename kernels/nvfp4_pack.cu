@@ -145,6 +145,37 @@ struct SwigluSource {
 
 // ---- global scale ----------------------------------------------------------------------------------------
 
+// Block reduction of the per-thread |h| maxima, then the last CTA turns the grid's max into g and alpha.
+__device__ __forceinline__ void absmax_finish(const AbsmaxParams& p, u32 acc) {
+    u32 m = max(acc & 0xFFFFu, acc >> 16);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+
+    __shared__ u32 warp_max[ABSMAX_THREADS / 32];
+    __shared__ bool is_last;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) warp_max[warp] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 block_max = 0;
+        for (int i = 0; i < (int)(blockDim.x >> 5); ++i) block_max = max(block_max, warp_max[i]);
+        atomicMax(&p.workspace[0], block_max);
+        __threadfence();  // publish this CTA's max before counting it as finished
+        is_last = atomicAdd(&p.workspace[1], 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (is_last && threadIdx.x == 0) {
+        __threadfence();
+        u32 amax_bits = atomicExch(&p.workspace[0], 0u);
+        p.workspace[1] = 0;  // re-arm for the next launch on this stream
+        // torch: (amax_bf16 / 2688.0) -> bf16 computed as fp32(amax) * fp32(1/2688), then .to(float32)
+        float g = bf16_to_f32(f32_to_bf16(__fmul_rn(bf16_to_f32((u16)amax_bits), 1.0f / 2688.0f)));
+        p.global_scale_out[0] = g;
+        if (p.alpha_out) p.alpha_out[0] = __fmul_rn(g, p.weight_scale_2[0]);
+    }
+}
+
+
 template <class Source>
 __device__ __forceinline__ void absmax_body(const AbsmaxParams& p) {
     const SourceParams& s = p.src;
@@ -173,32 +204,52 @@ __device__ __forceinline__ void absmax_body(const AbsmaxParams& p) {
             acc = abs_bits_max_x2(acc, w[i][3]);
         }
     }
-    u32 m = max(acc & 0xFFFFu, acc >> 16);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+    absmax_finish(p, acc);
+}
 
-    __shared__ u32 warp_max[ABSMAX_THREADS / 32];
-    __shared__ bool is_last;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) warp_max[warp] = m;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u32 block_max = 0;
-        for (int i = 0; i < (int)(blockDim.x >> 5); ++i) block_max = max(block_max, warp_max[i]);
-        atomicMax(&p.workspace[0], block_max);
-        __threadfence();  // publish this CTA's max before counting it as finished
-        is_last = atomicAdd(&p.workspace[1], 1u) == gridDim.x - 1;
+
+// SwiGLU global scale without evaluating silu where it cannot matter. |silu(g)| <= |g| (IEEE division by
+// 1 + exp(-g) >= 1) and each of the two bf16 roundings adds at most 2^-8 relative, so
+// |bf16(bf16(silu(g)) * u)| <= |g * u| * (1 + 2^-6) with the fp32 product error included. An element whose bound does not exceed this thread's running max cannot change the max;
+// only the others (and every non-finite bound, which fails the <= test) are evaluated exactly. The result is
+// the exact amax, at close to the cost of reading the input.
+__device__ __forceinline__ void absmax_swiglu_body(const AbsmaxParams& p) {
+    const SourceParams& s = p.src;
+    const u32 chunks_per_row = (u32)(s.cols / 8);
+    const u32 total = (u32)s.rows * chunks_per_row;
+    const u32 stride = gridDim.x * blockDim.x;
+    u32 acc = 0;
+    for (u32 base = blockIdx.x * blockDim.x * ITEMS + threadIdx.x; base < total; base += stride * ITEMS) {
+        u32 gw[ITEMS][4], uw[ITEMS][4];
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+            u32 c = base + (u32)i * blockDim.x;
+            if (c < total) {
+                u32 row = c / chunks_per_row;
+                const u16* g = s.x + (i64)row * s.x_row_stride + (i64)(c - row * chunks_per_row) * 8;
+                u32x4 gv = load_16B_stream(g), uv = load_16B_stream(g + s.up_offset);
+                gw[i][0] = gv.x; gw[i][1] = gv.y; gw[i][2] = gv.z; gw[i][3] = gv.w;
+                uw[i][0] = uv.x; uw[i][1] = uv.y; uw[i][2] = uv.z; uw[i][3] = uv.w;
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) gw[i][j] = uw[i][j] = 0;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float running = bf16_to_f32((u16)max(acc & 0xFFFFu, acc >> 16));
+                const float g0 = bf16_lo(gw[i][j]), g1 = bf16_hi(gw[i][j]);
+                const float u0 = bf16_lo(uw[i][j]), u1 = bf16_hi(uw[i][j]);
+                const float bound = fmaxf(fabsf(__fmul_rn(g0, u0)), fabsf(__fmul_rn(g1, u1))) * 1.015625f;
+                if (!(bound <= running)) {
+                    acc = abs_bits_max_x2(acc, pack_bf16x2(__fmul_rn(silu_bf16(g0), u0), __fmul_rn(silu_bf16(g1), u1)));
+                }
+            }
+        }
     }
-    __syncthreads();
-    if (is_last && threadIdx.x == 0) {
-        __threadfence();
-        u32 amax_bits = atomicExch(&p.workspace[0], 0u);
-        p.workspace[1] = 0;  // re-arm for the next launch on this stream
-        // torch: (amax_bf16 / 2688.0) -> bf16 computed as fp32(amax) * fp32(1/2688), then .to(float32)
-        float g = bf16_to_f32(f32_to_bf16(__fmul_rn(bf16_to_f32((u16)amax_bits), 1.0f / 2688.0f)));
-        p.global_scale_out[0] = g;
-        if (p.alpha_out) p.alpha_out[0] = __fmul_rn(g, p.weight_scale_2[0]);
-    }
+    absmax_finish(p, acc);
 }
 
 // ---- pack ------------------------------------------------------------------------------------------------
@@ -353,7 +404,7 @@ __device__ __forceinline__ void gated_residual_body(const GatedResidualParams& p
 
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_plain(const AbsmaxParams p) { absmax_body<PlainSource>(p); }
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_modulate(const AbsmaxParams p) { absmax_body<ModulateSource>(p); }
-extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_swiglu(const AbsmaxParams p) { absmax_body<SwigluSource>(p); }
+extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_swiglu(const AbsmaxParams p) { absmax_swiglu_body(p); }
 #if PACK_LANE_ELEMS == 16
 #define PACK_BODY pack_body16
 #else

@@ -212,13 +212,23 @@ def test_modulated_pack_matches_stock(rows):
     assert_same_pack(fused, *comfy_pack(stock), f"modulate rows {rows} seed {seed}")
 
 
-@pytest.mark.parametrize("rows", [H3_ROWS, 129])
-def test_swiglu_pack_matches_stock(rows):
+@pytest.mark.parametrize("rows,case", [(H3_ROWS, "random"), (129, "random"), (4000, "flat"), (300, "inf"),
+                                       (300, "nan"), (300, "negative")])
+def test_swiglu_pack_matches_stock(rows, case):
     seed = fresh_seed()
     y = (torch.randn(rows, 2 * 14336, device="cuda") * 3).to(torch.bfloat16)
+    if case == "flat":  # every |g * u| close to the max: the amax bound prunes almost nothing
+        y = (torch.rand(rows, 2 * 14336, device="cuda") * 0.01 + 4).to(torch.bfloat16)
+    elif case == "inf":
+        y[17, 5] = float("inf")
+        y[18, 14336 + 9] = float("-inf")
+    elif case == "nan":
+        y[3, 14336 + 100] = float("nan")
+    elif case == "negative":  # silu of large negative gates underflows toward -0
+        y[:, :14336] = -y[:, :14336].abs() * 20
     gate, up = y.chunk(2, dim=-1)
     stock = torch.nn.functional.silu(gate).mul_(up)
-    assert_same_pack(fused_pack(y, swiglu=True), *comfy_pack(stock), f"swiglu rows {rows} seed {seed}")
+    assert_same_pack(fused_pack(y, swiglu=True), *comfy_pack(stock), f"swiglu {case} rows {rows} seed {seed}")
 
 
 def test_gated_residual_matches_addcmul():
