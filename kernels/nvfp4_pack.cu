@@ -242,8 +242,10 @@ __device__ __forceinline__ void absmax_swiglu_body(const AbsmaxParams& p) {
                 const float running = bf16_to_f32((u16)max(acc & 0xFFFFu, acc >> 16));
                 const float g0 = bf16_lo(gw[i][j]), g1 = bf16_hi(gw[i][j]);
                 const float u0 = bf16_lo(uw[i][j]), u1 = bf16_hi(uw[i][j]);
-                const float bound = fmaxf(fabsf(__fmul_rn(g0, u0)), fabsf(__fmul_rn(g1, u1))) * 1.015625f;
-                if (!(bound <= running)) {
+                // Two separate tests (not fmaxf, which would drop a NaN bound): NaN or inf always evaluates.
+                const bool below = fabsf(__fmul_rn(g0, u0)) * 1.015625f <= running &&
+                                   fabsf(__fmul_rn(g1, u1)) * 1.015625f <= running;
+                if (!below) {
                     acc = abs_bits_max_x2(acc, pack_bf16x2(__fmul_rn(silu_bf16(g0), u0), __fmul_rn(silu_bf16(g1), u1)));
                 }
             }
