@@ -17,12 +17,17 @@ pytestmark = requires_cuda
 logging.getLogger("comfy_kitchen.tensor.nvfp4").setLevel(logging.ERROR)
 
 
+def _halving_override(func, *args, **kwargs):
+    """Another pack's optimized_attention_override: it must run in both arms."""
+    return func(*args, **kwargs) * 0.5
+
+
 @pytest.mark.parametrize(
-    "static_layers,per_token_video",
-    [((), False), (("attn.qkv_proj", "mlp.fc2"), False), ((), True)],
-    ids=["dynamic", "static-mix", "per-token-rows"],
+    "static_layers,per_token_video,override",
+    [((), False, False), (("attn.qkv_proj", "mlp.fc2"), False, False), ((), True, False), ((), False, True)],
+    ids=["dynamic", "static-mix", "per-token-rows", "attention-override"],
 )
-def test_full_width_block_bit_identical(static_layers, per_token_video):
+def test_full_width_block_bit_identical(static_layers, per_token_video, override):
     import h3_mirror as mirror
     from test_fused_block_cpu import assert_bit_identical, object_patches
 
@@ -40,10 +45,11 @@ def test_full_width_block_bit_identical(static_layers, per_token_video):
     holder.blocks = torch.nn.ModuleList([block])
     patches, report = patch.build_patches(holder, "block")
     assert report.applied and len(report.layers) == 4
+    options = {"optimized_attention_override": _halving_override} if override else {}
     with torch.inference_mode():
-        stock = block(x.clone(), t_emb, segments, rope, transformer_options={})
+        stock = block(x.clone(), t_emb, segments, rope, transformer_options=dict(options))
         with object_patches(holder, patches):
-            fused = block(x.clone(), t_emb, segments, rope, transformer_options={})
+            fused = block(x.clone(), t_emb, segments, rope, transformer_options=dict(options))
     assert_bit_identical(fused, stock, f"full width {static_layers} per-token {per_token_video} seed {seed}")
     linears = [v for v in patches.values() if type(v).__name__ == "FusedNVFP4Linear"]
     assert all(v.calls_fused == 1 and v.calls_stock == 0 for v in linears), [(v.name, v._logged) for v in linears]
