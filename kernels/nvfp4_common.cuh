@@ -146,7 +146,7 @@ NVFP4_DEVICE float mul_ftz(float a, float b) {
 #endif
 
 #ifndef E2M1_SW_IMPL
-#define E2M1_SW_IMPL 1
+#define E2M1_SW_IMPL 3
 #endif
 
 #ifndef NVFP4_HW_E2M1
@@ -161,6 +161,19 @@ NVFP4_DEVICE u32 e2m1_code_sw(float v) {
     u32 code = (m > 0.25f) + (m >= 0.75f) + (m > 1.25f) + (m >= 1.75f) + (m > 2.5f) + (m >= 3.5f) + (m > 5.0f);
     if (m != m) return 7u;                       // NaN -> +6
     return code | sign;
+#elif E2M1_SW_IMPL == 3
+    // Branch-free, no conversion unit: the grid step is 0.5 below 2, 1 below 4, 2 above, i.e. 2^(e-1) with
+    // e = clamp(exponent, 0, 2). Scale |v| onto a unit grid (exact: power of two), clamp the top range at 3
+    // (6.0; also catches inf and NaN, which fminf maps to the cap), round half-to-even by adding 1.5 * 2^23
+    // and read the integer from the mantissa. Checked against the compare chain on every fp32 in [-8, 8].
+    const u32 b = __float_as_uint(v);
+    const u32 a = b & 0x7FFFFFFFu;
+    const int e = min(max((int)(a >> 23) - 127, 0), 2);
+    const float sc = __uint_as_float((u32)(128 - e) << 23);                       // 2, 1, 0.5
+    const float cap = __uint_as_float(0x40800000u - (u32)(e >> 1) * 0x400000u);  // 4, 4, 3
+    const float t = fminf(__fmul_rn(__uint_as_float(a), sc), cap);
+    const u32 code = __float_as_uint(__fadd_rn(t, 12582912.0f)) - 0x4B400000u + 2u * (u32)e;
+    return code | (a > 0x7F800000u ? 0u : ((b >> 28) & 8u));                    // NaN -> +6
 #elif E2M1_SW_IMPL == 9
     // Timing probe only (benchmarks/tune_pack.py): NOT a correct conversion.
     return (__float_as_uint(v) >> 28) & 15u;
@@ -180,8 +193,8 @@ NVFP4_DEVICE u32 e2m1_code_sw(float v) {
     }
     return code | (u > 0x7F800000u ? 0u : sign);   // NaN -> +6
 #else
-    // Default (fastest on the H200): uniform grids, step 0.5 below 2, 1 below 4, 2 above; cvt.rni rounds half
-    // to even, which is E2M1's tie rule on each grid.
+    // Uniform grids, step 0.5 below 2, 1 below 4, 2 above; cvt.rni rounds half to even, which is E2M1's tie
+    // rule on each grid (compiles to branches and three conversions per value: slower than variant 3).
     float m = fabsf(v);
     u32 code;
     if (m < 2.0f)      code = (u32)__float2int_rn(m * 2.0f);

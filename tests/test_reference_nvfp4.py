@@ -147,11 +147,9 @@ def assert_reference_matches_eager(x: torch.Tensor, label: str, global_scale: to
     codes_ref, codes_ck = unpack_codes(q_ref), unpack_codes(q_ck)
     code_diff = (codes_ref != codes_ck) & ~scale_diff.repeat_interleave(16, dim=1)
     n_scale, n_code = int(scale_diff.sum()), int(code_diff.sum())
-    limit = 1000
-    assert n_scale + n_code <= limit, (
-        f"{label}: {n_scale} block scales and {n_code} codes differ: far more than exact ties can explain"
-    )
     if n_scale or n_code:
+        # Every difference is re-derived below; ties are rare (about 1e-4 of the elements at worst, for a g
+        # like 1.90625 * 2^k), so a broken reference fails at its first non-tie difference.
         padded = torch.zeros(rows16, cols, dtype=torch.bfloat16)
         padded[:rows] = x
         values = padded.double()
@@ -159,10 +157,13 @@ def assert_reference_matches_eager(x: torch.Tensor, label: str, global_scale: to
         for r, j in scale_diff.nonzero().tolist():
             _check_scale_tie(values[r, 16 * j:16 * j + 16], g_value, int(plain_ref[r, j]), int(plain_ck[r, j]),
                              f"{label} block ({r}, {j})")
-        for r, c in code_diff.nonzero().tolist():
-            s = plain_ref[r, c // 16].view(torch.float8_e4m3fn).float().item()
-            _check_code_tie(values[r, c].item(), g_value, s, int(codes_ref[r, c]), int(codes_ck[r, c]),
-                            f"{label} element ({r}, {c})")
+        where = code_diff.nonzero()
+        r, c = where[:, 0], where[:, 1]
+        xs = values[r, c].tolist()
+        ss = plain_ref[r, c // 16].view(torch.float8_e4m3fn).float().tolist()
+        refs, cks = codes_ref[r, c].tolist(), codes_ck[r, c].tolist()
+        for i, (row, col) in enumerate(where.tolist()):
+            _check_code_tie(xs[i], g_value, ss[i], refs[i], cks[i], f"{label} element ({row}, {col})")
     return n_scale, n_code
 
 
