@@ -17,24 +17,23 @@
 //                    here (pad rows of qdata, pad rows and columns of the scales), so no zero-fill launch.
 //   h3_gated_residual  x[r] += other[r] * gate[m]  in place (ComfyUI's per-segment addcmul_).
 //
-// Thread mapping of the pack. One warp packs one row at a time. The padded scale matrix has
-// U = roundup(K/16, 4)/4 column groups per row; a group covers 64 input columns and owns 4 contiguous scale
-// bytes of the swizzled layout. One group is handled by 8 consecutive lanes, each loading 8 bf16 (one 16-byte
-// load): lanes 2j and 2j+1 form 16-block j (absmax by one shuffle), lane 0 of the group gathers the 4 scale
-// bytes and stores them as one word. A warp thus reads 512 contiguous input bytes and writes 128 contiguous
-// qdata bytes per step, with ITEMS independent steps in flight to cover HBM latency. Rows cover
+// Thread mapping of the pack (PACK_LANE_ELEMS = 16, the default). One warp packs one row at a time. The padded
+// scale matrix has U = roundup(K/16, 4)/4 column groups per row; a group covers 64 input columns and owns 4
+// contiguous scale bytes of the swizzled layout. Each lane packs one 16-block (two 16-byte loads, one block
+// scale, 8 bytes of codes); lane 0 of each 4-lane group gathers the group's 4 scale bytes with three shuffles
+// and stores them as one word. ITEMS blocks per lane are in flight to cover HBM latency. Rows cover
 // [0, roundup(roundup(M,16),128)): rows in [M, roundup(M,16)) are packed from zeros (as comfy-kitchen pads
-// them), rows beyond only get zero scales.
+// them), rows beyond only get zero scales. PACK_LANE_ELEMS = 8 (pack_body) splits a block over two lanes.
 //
 // Requirements checked on the host (kernels/ops.py): K % 16 == 0, 16-byte aligned rows and tables.
 #include "nvfp4_common.cuh"
 
 // Tuning knobs (kernels/ops.py reads the same values; benchmarks may override them with -D).
 #ifndef ITEMS
-#define ITEMS 4
+#define ITEMS 2
 #endif
 #ifndef PACK_LANE_ELEMS
-#define PACK_LANE_ELEMS 8  // 8: a lane packs half a 16-block; 16: a whole block (pack_body16)
+#define PACK_LANE_ELEMS 16  // 16: a lane packs a whole 16-block (pack_body16, fastest); 8: half a block
 #endif
 #ifndef PACK_THREADS
 #define PACK_THREADS 256

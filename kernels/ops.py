@@ -58,7 +58,7 @@ class _GatedResidualParams(ctypes.Structure):
 
 
 # Launch shape; must match the defaults in nvfp4_pack.cu. TUNING_DEFINES overrides both (benchmarks only).
-DEFAULT_TUNING = {"PACK_THREADS": 256, "ABSMAX_THREADS": 512, "ITEMS": 4, "ABSMAX_CTAS_PER_SM": 4}
+DEFAULT_TUNING = {"PACK_THREADS": 256, "ABSMAX_THREADS": 512, "ITEMS": 2, "ABSMAX_CTAS_PER_SM": 4}
 RESIDUAL_THREADS = 256
 TUNING_DEFINES: tuple = ()
 

@@ -150,6 +150,34 @@ def quantize_blocks(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, tor
     return e2m1_codes(v).reshape(rows, cols), s8.view(torch.uint8)
 
 
+def rcp_sensitive_blocks(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """bool [M, K/16]: blocks whose bytes could change if the GPU's ``rcp.approx`` were one ulp off the
+    correctly rounded reciprocal this reference uses -- the only inputs where the two may disagree.
+
+    Each of the two reciprocals (of g, and of g * s8) is nudged by one ulp either way; a block is sensitive when
+    its block scale or any of its codes moves.
+    """
+    rows, cols = x.shape
+    blocks = x.reshape(rows, cols // BLOCK, BLOCK)
+    g = g.to(torch.float32).reshape(())
+    a = _bf16_absmax_skip_nan(blocks)
+    sixth = torch.tensor(1.0 / FP4_MAX, dtype=torch.float32)
+    x32 = blocks.float()
+    results = []
+    for nudge in (1.0 - 2.0**-23, 1.0, 1.0 + 2.0**-23):
+        d = _min_ftz(_mul_ftz(_mul_ftz(a, sixth), _ftz(_rcp_ftz(g) * nudge)), E4M3_MAX)
+        s8 = d.to(torch.float8_e4m3fn)
+        for nudge_e in (1.0 - 2.0**-23, 1.0, 1.0 + 2.0**-23):
+            e = _min_ftz(_ftz(_rcp_ftz(_mul_ftz(g, s8.float())) * nudge_e), FLT_MAX)
+            codes = e2m1_codes(_mul_ftz(x32, e.unsqueeze(-1)))
+            results.append((s8.view(torch.uint8), codes))
+    s0, c0 = results[4]
+    sensitive = torch.zeros(rows, cols // BLOCK, dtype=torch.bool)
+    for s8, codes in results:
+        sensitive |= (s8 != s0) | (codes != c0).any(dim=-1)
+    return sensitive
+
+
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """[M, K] codes -> [M, K/2] bytes, element 2j in the high nibble (comfy-kitchen's hi_first=True)."""
     return (codes[:, 0::2] << 4) | codes[:, 1::2]

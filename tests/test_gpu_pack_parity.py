@@ -174,15 +174,27 @@ def test_alpha_matches_stock_product():
 
 
 def test_reference_matches_kernel_on_gpu_data():
-    """The CPU reference and the kernel agree on fresh data (keeps reference/nvfp4.py honest)."""
+    """The CPU reference and the kernel agree on fresh data, except in blocks the reference itself flags as
+    sensitive to the GPU's approximate reciprocal (keeps reference/nvfp4.py and its stated limits honest)."""
     from h3_fused_nvfp4.reference import nvfp4 as ref
 
     seed = fresh_seed()
     x = random_activation(257, 5376)
     q, s, g = ref.quantize_nvfp4(x.cpu())
     fused = fused_pack(x)
-    assert torch.equal(fused.qdata.cpu(), q), f"seed {seed}"
-    assert torch.equal(fused.block_scales.view(torch.uint8).cpu(), s.view(torch.uint8)), f"seed {seed}"
+    assert torch.equal(fused.global_scale.cpu().reshape(()), g), f"seed {seed}"
+    rows16 = q.shape[0]
+    padded = torch.zeros(rows16, x.shape[1], dtype=torch.bfloat16)
+    padded[: x.shape[0]] = x.cpu()
+    sensitive = ref.rcp_sensitive_blocks(padded, g)
+    fused_scales = ref.unswizzle_scales(fused.block_scales.cpu(), rows16, x.shape[1])
+    ref_scales = ref.unswizzle_scales(s, rows16, x.shape[1])
+    fused_q = fused.qdata.cpu().reshape(rows16, -1, 8)
+    ref_q = q.reshape(rows16, -1, 8)
+    differs = (fused_scales != ref_scales) | (fused_q != ref_q).any(dim=-1)
+    unexplained = differs & ~sensitive
+    assert unexplained.sum().item() == 0, f"{unexplained.sum().item()} blocks differ outside the documented cases (seed {seed})"
+    assert sensitive.float().mean().item() < 1e-2, f"seed {seed}"
 
 
 # ---- fused sources vs ComfyUI's stock elementwise ops -------------------------------------------------------
