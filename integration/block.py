@@ -62,9 +62,15 @@ class ModulationIndexCache:
         key = self._key_of(segments, rows, device)
         with self._lock:
             if self._key != key:
-                index = h3_ops.modulation_index(segments, rows)
+                # Integer rows are filled on the host and copied without blocking; per-token row tensors (denoise
+                # masks) are copied device to device, so building the index never waits for the GPU.
+                host_segments = [(a, b, 0 if isinstance(r, torch.Tensor) else r) for a, b, r in segments]
+                index = h3_ops.modulation_index(host_segments, rows)
                 if device.type == "cuda":
                     index = index.pin_memory().to(device, non_blocking=True)
+                for a, b, r in segments:
+                    if isinstance(r, torch.Tensor):
+                        index[a:b].copy_(r.to(device=device, dtype=torch.int32, non_blocking=True))
                 # Keep the segment tensors referenced so their ids cannot be reused by new tensors.
                 self._key, self._value = key, (index, [r for _, _, r in segments if isinstance(r, torch.Tensor)])
             return self._value[0]
