@@ -20,7 +20,6 @@ Usage: python benchmarks/profile_block.py [--out benchmarks/h200-block-profile.j
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import pathlib
 import statistics
@@ -36,6 +35,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import conftest  # noqa: E402,F401  (imports this repository as h3_fused_nvfp4)
 import h3_mirror as mirror  # noqa: E402
+from h3_mirror import object_patches  # noqa: E402
 from bench_pack import copy_bandwidth_gbs, device_info  # noqa: E402
 
 from h3_fused_nvfp4.integration import patch  # noqa: E402
@@ -74,24 +74,6 @@ def categorize(name: str) -> str:
         if any(k.lower() in name.lower() for k in keys):
             return category
     return "other_elementwise"
-
-
-@contextlib.contextmanager
-def object_patches(root, patches):
-    """Apply object patches the way ComfyUI's ModelPatcher does, and undo them."""
-    saved = []
-    for key, value in patches.items():
-        *path, attr = key.split(".")
-        obj = root
-        for part in path:
-            obj = getattr(obj, part)
-        saved.append((obj, attr, attr in obj.__dict__, obj.__dict__.get(attr)))
-        setattr(obj, attr, value)
-    try:
-        yield
-    finally:
-        for obj, attr, had, old in reversed(saved):
-            setattr(obj, attr, old) if had else delattr(obj, attr)
 
 
 class Holder(torch.nn.Module):

@@ -29,10 +29,7 @@ VARIANTS = {
     "default": (),
     "items1": (("ITEMS", "1"),),
     "items4": (("ITEMS", "4"),),
-    "lane8_items4": (("PACK_LANE_ELEMS", "8"), ("ITEMS", "4")),
-    "e2m1_rni": (("E2M1_SW_IMPL", "1"),),
     "e2m1_compare": (("E2M1_SW_IMPL", "0"),),
-    "e2m1_intbits": (("E2M1_SW_IMPL", "2"),),
     "probe_no_e2m1": (("E2M1_SW_IMPL", "9"),),
     "probe_no_scale_store": (("PACK_SKIP_SCALE_STORE", "1"),),
 }

@@ -146,7 +146,7 @@ NVFP4_DEVICE float mul_ftz(float a, float b) {
 #endif
 
 #ifndef E2M1_SW_IMPL
-#define E2M1_SW_IMPL 3
+#define E2M1_SW_IMPL 3  // 3: magic-number rounding (default); 0: the compare chain that spells out the rules
 #endif
 
 #ifndef NVFP4_HW_E2M1
@@ -154,53 +154,29 @@ NVFP4_DEVICE float mul_ftz(float a, float b) {
 // magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}, saturate above 5, NaN -> +6, keep the sign of zero. The inputs
 // come from mul.ftz, so they are never subnormal. Same results as cuda_fp4.hpp's software path.
 NVFP4_DEVICE u32 e2m1_code_sw(float v) {
-    const u32 sign = (__float_as_uint(v) >> 28) & 8u;
+    const u32 b = __float_as_uint(v);
+    const u32 a = b & 0x7FFFFFFFu;                                                  // |v| bits
+    const u32 sign = a > 0x7F800000u ? 0u : ((b >> 28) & 8u);                       // NaN -> +6
 #if E2M1_SW_IMPL == 0
     // Count the rounding boundaries below |v| (ties resolved toward the even code by > vs >=).
-    float m = fabsf(v);
-    u32 code = (m > 0.25f) + (m >= 0.75f) + (m > 1.25f) + (m >= 1.75f) + (m > 2.5f) + (m >= 3.5f) + (m > 5.0f);
-    if (m != m) return 7u;                       // NaN -> +6
-    return code | sign;
-#elif E2M1_SW_IMPL == 3
-    // Branch-free, no conversion unit: the grid step is 0.5 below 2, 1 below 4, 2 above, i.e. 2^(e-1) with
-    // e = clamp(exponent, 0, 2). Scale |v| onto a unit grid (exact: power of two), clamp the top range at 3
-    // (6.0; also catches inf and NaN, which fminf maps to the cap), round half-to-even by adding 1.5 * 2^23
-    // and read the integer from the mantissa. Checked against the compare chain on every fp32 in [-8, 8].
-    const u32 b = __float_as_uint(v);
-    const u32 a = b & 0x7FFFFFFFu;
+    const float m = __uint_as_float(a);
+    const u32 code = (m > 0.25f) + (m >= 0.75f) + (m > 1.25f) + (m >= 1.75f) + (m > 2.5f) + (m >= 3.5f) + (m > 5.0f);
+    return (a > 0x7F800000u ? 7u : code) | sign;
+#elif E2M1_SW_IMPL == 9
+    // Timing probe only (benchmarks/tune_pack.py): NOT a correct conversion.
+    return (b >> 28) & 15u;
+#else
+    // Default, branch-free and the fastest measured on the H200 (benchmarks/h200-tune-pack.json). The grid step
+    // is 0.5 below 2, 1 below 4 and 2 above, i.e. 2^(e-1) with e = clamp(exponent, 0, 2). Scale |v| onto a unit
+    // grid (exact: a power of two), clamp the top range at 3 (= 6.0; fminf also maps inf and NaN there), round
+    // half to even by adding 1.5 * 2^23 and read the integer from the mantissa. Checked against the compare
+    // chain on every fp32 value in [-8, 8].
     const int e = min(max((int)(a >> 23) - 127, 0), 2);
     const float sc = __uint_as_float((u32)(128 - e) << 23);                       // 2, 1, 0.5
     const float cap = __uint_as_float(0x40800000u - (u32)(e >> 1) * 0x400000u);  // 4, 4, 3
     const float t = fminf(__fmul_rn(__uint_as_float(a), sc), cap);
     const u32 code = __float_as_uint(__fadd_rn(t, 12582912.0f)) - 0x4B400000u + 2u * (u32)e;
-    return code | (a > 0x7F800000u ? 0u : ((b >> 28) & 8u));                    // NaN -> +6
-#elif E2M1_SW_IMPL == 9
-    // Timing probe only (benchmarks/tune_pack.py): NOT a correct conversion.
-    return (__float_as_uint(v) >> 28) & 15u;
-#elif E2M1_SW_IMPL == 2
-    // Integer rounding on the fp32 bits (fewer ALU instructions than the compare chain, but measured slower
-    // on the H200 than variant 1, which moves the rounding to the conversion unit). For |v| >= 1 the
-    // E2M1 grid keeps one mantissa bit: add 0x1FFFFF plus the kept bit (round half to even) and read
-    // exponent:bit as the code (1.0 -> 2 ... 6.0 -> 7), saturating at 7 (also inf and NaN). Below 1 the grid
-    // step is 0.5: two compares. Checked against the compare chain on every fp32 value in [-8, 8].
-    const u32 u = __float_as_uint(v) & 0x7FFFFFFFu;
-    u32 code;
-    if (u >= 0x3F800000u) {
-        code = min(((u + 0x1FFFFFu + ((u >> 22) & 1u)) >> 22) - 252u, 7u);
-    } else {
-        const float m = __uint_as_float(u);
-        code = (u32)(m > 0.25f) + (u32)(m >= 0.75f);
-    }
-    return code | (u > 0x7F800000u ? 0u : sign);   // NaN -> +6
-#else
-    // Uniform grids, step 0.5 below 2, 1 below 4, 2 above; cvt.rni rounds half to even, which is E2M1's tie
-    // rule on each grid (compiles to branches and three conversions per value: slower than variant 3).
-    float m = fabsf(v);
-    u32 code;
-    if (m < 2.0f)      code = (u32)__float2int_rn(m * 2.0f);
-    else if (m < 4.0f) code = (u32)__float2int_rn(m) + 2u;
-    else               code = (u32)__float2int_rn(fminf(m * 0.5f, 3.0f)) + 4u;   // NaN -> fminf -> 3 -> 7
-    return code | (m != m ? 0u : sign);
+    return code | sign;
 #endif
 }
 #endif

@@ -17,13 +17,13 @@
 //                    here (pad rows of qdata, pad rows and columns of the scales), so no zero-fill launch.
 //   h3_gated_residual  x[r] += other[r] * gate[m]  in place (ComfyUI's per-segment addcmul_).
 //
-// Thread mapping of the pack (PACK_LANE_ELEMS = 16, the default). One warp packs one row at a time. The padded
+// Thread mapping of the pack. One warp packs one row at a time. The padded
 // scale matrix has U = roundup(K/16, 4)/4 column groups per row; a group covers 64 input columns and owns 4
 // contiguous scale bytes of the swizzled layout. Each lane packs one 16-block (two 16-byte loads, one block
 // scale, 8 bytes of codes); lane 0 of each 4-lane group gathers the group's 4 scale bytes with three shuffles
 // and stores them as one word. ITEMS blocks per lane are in flight to cover HBM latency. Rows cover
 // [0, roundup(roundup(M,16),128)): rows in [M, roundup(M,16)) are packed from zeros (as comfy-kitchen pads
-// them), rows beyond only get zero scales. PACK_LANE_ELEMS = 8 (pack_body) splits a block over two lanes.
+// them), rows beyond only get zero scales. (Splitting a block over two lanes measured slower on the H200.)
 //
 // Requirements checked on the host (kernels/ops.py): K % 16 == 0, 16-byte aligned rows and tables.
 #include "nvfp4_common.cuh"
@@ -31,9 +31,6 @@
 // Tuning knobs (kernels/ops.py reads the same values; benchmarks may override them with -D).
 #ifndef ITEMS
 #define ITEMS 2
-#endif
-#ifndef PACK_LANE_ELEMS
-#define PACK_LANE_ELEMS 16  // 16: a lane packs a whole 16-block (pack_body16, fastest); 8: half a block
 #endif
 #ifndef PACK_THREADS
 #define PACK_THREADS 256
@@ -258,66 +255,6 @@ __device__ __forceinline__ void absmax_swiglu_body(const AbsmaxParams& p) {
 template <class Source>
 __device__ __forceinline__ void pack_body(const PackParams& p) {
     const SourceParams& s = p.src;
-    // One warp per row (warp-uniform row checks, no index division); lanes stride the row's scale groups.
-    // 32-bit index math: the host guarantees rows128 * groups * 8 < 2^31.
-    const u32 lanes_per_row = (u32)p.groups * 8;
-    const u32 cols = (u32)s.cols, rows = (u32)s.rows, rows16 = (u32)p.rows16, rows128 = (u32)p.rows128;
-    const u32 scale_groups = (u32)p.groups;
-    const float g = p.global_scale[0];
-    const u32 lane = threadIdx.x & 31;
-    const u32 group_leader = lane & ~7u;
-    const u32 warps_total = gridDim.x * (blockDim.x >> 5);
-
-    for (u32 row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; row < rows128; row += warps_total) {
-        const bool data_row = row < rows;     // rows [M, roundup(M,16)) are packed from zeros
-        const bool packed_row = row < rows16; // rows beyond only carry zero scales
-        u8* qrow = p.qdata + (u64)row * (cols / 2);
-        u8* srow = p.scales + (u64)(row >> 7) * scale_groups * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4;
-        for (u32 c0 = 0; c0 < lanes_per_row; c0 += 32 * ITEMS) {
-            u32 w[ITEMS][4];
-#pragma unroll
-            for (int i = 0; i < ITEMS; ++i) {
-                const u32 col = (c0 + 32 * i + lane) * 8;
-                if (data_row && col < cols) {
-                    Source::load(s, (i64)row, (i64)col, w[i]);
-                } else {
-                    w[i][0] = w[i][1] = w[i][2] = w[i][3] = 0;
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < ITEMS; ++i) {
-                const u32 c = c0 + 32 * i + lane;
-                const u32 col = c * 8;
-                u32 pair_max = bf16x2_max(bf16x2_absmax(w[i][0], w[i][1]), bf16x2_absmax(w[i][2], w[i][3]));
-                u16 mine = bf16x2_hmax(pair_max);
-                u16 other = (u16)__shfl_xor_sync(0xFFFFFFFFu, (u32)mine, 1);
-                BlockScale bs = block_scale_from_absmax(bf16x2_hmax((u32)mine | ((u32)other << 16)), g);
-
-                const bool in_cols = col < cols;
-                u32 scale_byte = (in_cols && packed_row) ? (u32)bs.byte : 0u;
-                u32 b1 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 2);
-                u32 b2 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 4);
-                u32 b3 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 6);
-                if (c >= lanes_per_row) continue;
-                if (packed_row && in_cols) {
-                    *reinterpret_cast<u32*>(qrow + col / 2) = encode8(w[i], bs.encode);
-                }
-#ifndef PACK_SKIP_SCALE_STORE  // timing probe only (benchmarks/tune_pack.py)
-                if (lane == group_leader) {  // this group's 4 scale bytes are one aligned word of its tile
-                    *reinterpret_cast<u32*>(srow + (c >> 3) * 512) = scale_byte | (b1 << 8) | (b2 << 16) | (b3 << 24);
-                }
-#endif
-            }
-        }
-    }
-}
-
-
-// Variant: one lane per 16-block (two 16-byte loads): no pair shuffle, one block-scale computation per block,
-// 4 lanes per scale group. Selected with PACK_LANE_ELEMS=16.
-template <class Source>
-__device__ __forceinline__ void pack_body16(const PackParams& p) {
-    const SourceParams& s = p.src;
     const u32 lanes_per_row = (u32)p.groups * 4;
     const u32 cols = (u32)s.cols, rows = (u32)s.rows, rows16 = (u32)p.rows16, rows128 = (u32)p.rows128;
     const u32 scale_groups = (u32)p.groups;
@@ -406,12 +343,7 @@ __device__ __forceinline__ void gated_residual_body(const GatedResidualParams& p
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_plain(const AbsmaxParams p) { absmax_body<PlainSource>(p); }
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_modulate(const AbsmaxParams p) { absmax_body<ModulateSource>(p); }
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_swiglu(const AbsmaxParams p) { absmax_swiglu_body(p); }
-#if PACK_LANE_ELEMS == 16
-#define PACK_BODY pack_body16
-#else
-#define PACK_BODY pack_body
-#endif
-extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_plain(const PackParams p) { PACK_BODY<PlainSource>(p); }
-extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_modulate(const PackParams p) { PACK_BODY<ModulateSource>(p); }
-extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_swiglu(const PackParams p) { PACK_BODY<SwigluSource>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_plain(const PackParams p) { pack_body<PlainSource>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_modulate(const PackParams p) { pack_body<ModulateSource>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_swiglu(const PackParams p) { pack_body<SwigluSource>(p); }
 extern "C" __global__ void __launch_bounds__(256) h3_gated_residual(const GatedResidualParams p) { gated_residual_body(p); }

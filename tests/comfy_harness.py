@@ -325,8 +325,7 @@ def run_prompt(
     ``outputs``: node ids to execute (with their dependencies); default: every node no other node consumes, so a
     graph without OUTPUT_NODEs still runs. A fresh executor (fresh caches) is made unless one is passed.
     """
-    comfy = setup_comfyui()
-    execution = comfy.execution
+    setup_comfyui()
     prompt = {str(k): v for k, v in prompt.items()}
     targets = [str(o) for o in outputs] if outputs is not None else _leaf_nodes(prompt)
     if validate:

@@ -26,6 +26,7 @@ Deliberate differences, all outside the arithmetic:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Mapping
 
@@ -639,3 +640,30 @@ def make_inputs(S_text: int, S_audio: int, S_video: int, *, seed: int, device, h
         mod_segments.append((b, S, 0 * 3 + TAG_VIDEO))
     rope_freqs = make_rope_freqs(make_position_ids(S_text, S_audio, S_video), head_dim, device=device)
     return x, t_emb, mod_segments, rope_freqs
+
+
+# ----------------------------------------------------------------------------------------------------------
+# ModelPatcher-style object patches on a bare module tree
+# ----------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def object_patches(root, patches):
+    """Apply ``patches`` (dotted path -> value) like ModelPatcher.patch_model, undo them on exit."""
+    saved = []
+    for key, value in patches.items():
+        *path, attr = key.split(".")
+        obj = root
+        for part in path:
+            obj = getattr(obj, part)
+        had = attr in obj.__dict__
+        saved.append((obj, attr, had, obj.__dict__.get(attr)))
+        setattr(obj, attr, value)
+    try:
+        yield
+    finally:
+        for obj, attr, had, old in reversed(saved):
+            if had:
+                setattr(obj, attr, old)
+            else:
+                delattr(obj, attr)

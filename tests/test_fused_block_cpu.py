@@ -4,37 +4,14 @@ The mirror (tests/h3_mirror.py) reproduces ComfyUI's DiTBlock and NVFP4 Linear; 
 way ComfyUI applies object patches (set the attribute, restore it afterwards).
 """
 
-import contextlib
-
 import pytest
 import torch
 
 import h3_mirror as mirror
+from h3_mirror import object_patches  # noqa: F401  (re-exported for the other block tests)
 from h3_fused_nvfp4.integration import patch
 
 HIDDEN, HEADS, HEAD_DIM, FFN, T_DIM = 256, 4, 64, 512, 256
-
-
-@contextlib.contextmanager
-def object_patches(root, patches):
-    """Apply ``patches`` (dotted path -> value) like ModelPatcher.patch_model, undo them on exit."""
-    saved = []
-    for key, value in patches.items():
-        *path, attr = key.split(".")
-        obj = root
-        for part in path:
-            obj = getattr(obj, part)
-        had = attr in obj.__dict__
-        saved.append((obj, attr, had, obj.__dict__.get(attr)))
-        setattr(obj, attr, value)
-    try:
-        yield
-    finally:
-        for obj, attr, had, old in reversed(saved):
-            if had:
-                setattr(obj, attr, old)
-            else:
-                delattr(obj, attr)
 
 
 def make_model(seed, static_scale_layers=()):
