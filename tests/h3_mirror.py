@@ -179,9 +179,10 @@ class MirrorNVFP4Linear(nn.Module):
             weight = self.weight.dequantize() if self._full_precision_mm else self.weight
             try:
                 out = F.linear(x, weight, bias)
-            except ValueError:
-                # ck's eager scaled_mm raises ValueError on CPU, which its handler does not catch; do what the
-                # handler does for RuntimeError/TypeError: dequantize both operands and run F.linear.
+            except (ValueError, NotImplementedError):
+                # ck's eager scaled_mm raises on CPU (ValueError, or NotImplementedError for torch's CPU-less
+                # _scaled_mm_v2 in some torch releases), which its handler does not catch; do what the handler
+                # does for RuntimeError/TypeError: dequantize both operands and run F.linear.
                 if not (isinstance(x, QuantizedTensor) and isinstance(weight, QuantizedTensor)):
                     raise
                 out = F.linear(x.dequantize(), weight.dequantize(), bias)
