@@ -12,9 +12,11 @@ Stock ``DiTBlock.forward`` (comfy/ldm/minimax/model.py) and what changes here:
     x += fc2(silu(gate) * up) * gate_mlp  per seg    -> SwiGLU folded into fc2's kernels; one residual kernel
 
 So the modulated activations and the [S, 14336] SwiGLU product are never written to memory, and every layout
-stays as ComfyUI has it: q/k/v remain views of qkv_proj's output, rms_rope runs in place on them (comfy-kitchen),
-attention is ComfyUI's ``optimized_attention`` (the user's backend, overrides and sparse attention included),
-and out_proj's pack reads whatever layout attention returned.
+stays as ComfyUI has it: q/k/v remain views of qkv_proj's output, RMSNorm + RoPE runs in place on them
+(``FusedAttention``: a bit-identical kernel instead of comfy-kitchen's, one pass instead of two), attention is
+ComfyUI's ``optimized_attention`` (the user's backend, overrides and sparse attention included), and out_proj's
+pack reads whatever layout attention returned. No layout copy is made here; with PyTorch attention there is
+none at all, with SageAttention its HND path copies inside SageAttention and ComfyUI's wrapper.
 
 Synchronization of the global scale: each NVFP4 input's amax is produced by the reduction kernel of that
 layer (last CTA writes g and alpha to device memory) and consumed by the pack kernel and the GEMM that follow on
@@ -24,7 +26,8 @@ RMSNorm is not folded: torch's fused rms_norm reduction order is an implementati
 so a re-implementation could not promise equal bits. The kernels read the norm output instead.
 
 Fallbacks keep exactness: a call the kernels cannot take (LoRA patches, a custom ``attention`` callable from
-another node, non-CUDA tensors, ...) runs the stock op sequence (reference/h3_ops.py) for that step.
+another node, torch.compile tracing, ...) runs the stock op sequence (reference/h3_ops.py) for that step.
+Tensors off the GPU go through reference/fused_ops.py, the Python twin of the kernels (tests).
 """
 
 from __future__ import annotations

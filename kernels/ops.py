@@ -5,8 +5,9 @@ Public functions (all bit-identical to ComfyUI's stock ops followed by comfy-kit
 * :func:`pack_nvfp4` - NVFP4-pack an activation read through a *source* (plain rows, adaLN-modulated rows,
   or SwiGLU of an fc1 output), with a dynamic (device-computed) or static global scale.
 * :func:`gated_residual_` - ``x[r] += other[r] * gate[mod_index[r]]`` in place.
-* :func:`pack_support` - ``None`` if :func:`pack_nvfp4` can take these tensors, else the reason (callers fall
-  back to ComfyUI's path with that reason instead of raising in the user's graph).
+* :func:`rms_rope_split_half_` - comfy-kitchen's per-head RMSNorm + split-half RoPE for H3's q/k views, in place.
+* :func:`pack_support`, :func:`rms_rope_support` - ``None`` if the kernel can take these tensors, else the reason
+  (callers fall back to ComfyUI's path with that reason instead of raising in the user's graph).
 
 Layouts (must match reference/nvfp4.py and kernels/nvfp4_pack.cu): qdata ``uint8 [roundup(M,16), K/2]``
 with the even element in the high nibble; block scales ``float8_e4m3fn [roundup(roundup(M,16),128),
