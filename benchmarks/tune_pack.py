@@ -27,8 +27,6 @@ ROWS = 37810
 # how much of the time is the E2M1 conversion or the scale stores.
 VARIANTS = {
     "default": (),
-    "row_quads": (("PACK_ROW_QUADS", "1"),),
-    "row_quads_items4": (("PACK_ROW_QUADS", "1"), ("ITEMS", "4")),
     "items1": (("ITEMS", "1"),),
     "items4": (("ITEMS", "4"),),
     "e2m1_compare": (("E2M1_SW_IMPL", "0"),),

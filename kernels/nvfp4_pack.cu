@@ -32,9 +32,6 @@
 #ifndef ITEMS
 #define ITEMS 2
 #endif
-#ifndef PACK_ROW_QUADS
-#define PACK_ROW_QUADS 0  // 1: pack_body_quads (16-byte scale stores)
-#endif
 #ifndef PACK_THREADS
 #define PACK_THREADS 256
 #endif
@@ -311,73 +308,6 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
     }
 }
 
-// Row-quad variant (PACK_ROW_QUADS=1): a warp packs rows r, r+32, r+64, r+96 of one 128-row band together
-// (8 lanes per row, 8 blocks = 2 scale groups per row per step). Those four rows' words of a scale group are
-// adjacent in the swizzled layout, so each group's 16 scale bytes leave in one 16-byte store instead of four
-// scattered 4-byte ones.
-template <class Source>
-__device__ __forceinline__ void pack_body_quads(const PackParams& p) {
-    const SourceParams& s = p.src;
-    const u32 blocks_per_row = (u32)p.groups * 4;
-    const u32 cols = (u32)s.cols, rows = (u32)s.rows, rows16 = (u32)p.rows16, quads = (u32)p.rows128 / 4;
-    const u32 scale_groups = (u32)p.groups;
-    const float g = p.global_scale[0];
-    const u32 lane = threadIdx.x & 31;
-    const u32 q = lane >> 3, sub = lane & 7;  // row r + 32 q, block c0 + sub
-    const u32 group_leader = lane & ~3u;
-    const u32 warps_total = gridDim.x * (blockDim.x >> 5);
-
-    for (u32 quad = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; quad < quads; quad += warps_total) {
-        const u32 band = quad >> 5, j = quad & 31;
-        const u32 row = band * 128 + j + 32 * q;
-        const bool data_row = row < rows;
-        const bool packed_row = row < rows16;
-        u8* qrow = p.qdata + (u64)row * (cols / 2);
-        u8* sband = p.scales + (u64)band * scale_groups * 512 + j * 16;
-        for (u32 c0 = 0; c0 < blocks_per_row; c0 += 8 * ITEMS) {
-            u32 w[ITEMS][8];
-#pragma unroll
-            for (int i = 0; i < ITEMS; ++i) {
-                const u32 col = (c0 + 8 * i + sub) * 16;
-                if (data_row && col < cols) {
-                    Source::load(s, (i64)row, (i64)col, w[i]);
-                    Source::load(s, (i64)row, (i64)col + 8, w[i] + 4);
-                } else {
-#pragma unroll
-                    for (int k = 0; k < 8; ++k) w[i][k] = 0;
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < ITEMS; ++i) {
-                const u32 c = c0 + 8 * i + sub;
-                const u32 col = c * 16;
-                u32 m = bf16x2_max(bf16x2_max(bf16x2_absmax(w[i][0], w[i][1]), bf16x2_absmax(w[i][2], w[i][3])),
-                                   bf16x2_max(bf16x2_absmax(w[i][4], w[i][5]), bf16x2_absmax(w[i][6], w[i][7])));
-                BlockScale bs = block_scale_from_absmax(bf16x2_hmax(m), g);
-                const bool in_cols = col < cols;
-                const u32 scale_byte = (in_cols && packed_row) ? (u32)bs.byte : 0u;
-                // This row's 4 scale bytes of the group, then the group's 4 rows (lanes 8q + (lane & 4)).
-                u32 word = scale_byte | (__shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 1) << 8) |
-                           (__shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 2) << 16) |
-                           (__shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 3) << 24);
-                const u32 w1 = __shfl_sync(0xFFFFFFFFu, word, 8 + (lane & 4));
-                const u32 w2 = __shfl_sync(0xFFFFFFFFu, word, 16 + (lane & 4));
-                const u32 w3 = __shfl_sync(0xFFFFFFFFu, word, 24 + (lane & 4));
-                if (c >= blocks_per_row) continue;
-                if (packed_row && in_cols) {
-                    u32 lo = encode8(w[i], bs.encode), hi = encode8(w[i] + 4, bs.encode);
-                    asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(qrow + col / 2), "r"(lo), "r"(hi) : "memory");
-                }
-#ifndef PACK_SKIP_SCALE_STORE
-                if (lane < 8 && (lane & 3) == 0) {  // q == 0 group leaders write the group's 16 bytes
-                    store_16B(sband + (c >> 2) * 512, u32x4{word, w1, w2, w3});
-                }
-#endif
-            }
-        }
-    }
-}
-
 // ---- gated residual --------------------------------------------------------------------------------------
 
 // torch's addcmul_ in fp32 opmath. The product of two bf16 values is exact in fp32, so a fused or a separate
@@ -413,12 +343,7 @@ __device__ __forceinline__ void gated_residual_body(const GatedResidualParams& p
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_plain(const AbsmaxParams p) { absmax_body<PlainSource>(p); }
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_modulate(const AbsmaxParams p) { absmax_body<ModulateSource>(p); }
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_swiglu(const AbsmaxParams p) { absmax_swiglu_body(p); }
-#if PACK_ROW_QUADS
-#define PACK_BODY pack_body_quads
-#else
-#define PACK_BODY pack_body
-#endif
-extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_plain(const PackParams p) { PACK_BODY<PlainSource>(p); }
-extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_modulate(const PackParams p) { PACK_BODY<ModulateSource>(p); }
-extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_swiglu(const PackParams p) { PACK_BODY<SwigluSource>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_plain(const PackParams p) { pack_body<PlainSource>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_modulate(const PackParams p) { pack_body<ModulateSource>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_swiglu(const PackParams p) { pack_body<SwigluSource>(p); }
 extern "C" __global__ void __launch_bounds__(256) h3_gated_residual(const GatedResidualParams p) { gated_residual_body(p); }

@@ -59,7 +59,7 @@ class _GatedResidualParams(ctypes.Structure):
 
 
 # Launch shape; must match the defaults in nvfp4_pack.cu. TUNING_DEFINES overrides both (benchmarks only).
-DEFAULT_TUNING = {"PACK_THREADS": 256, "ABSMAX_THREADS": 512, "ITEMS": 2, "ABSMAX_CTAS_PER_SM": 4, "PACK_ROW_QUADS": 0}
+DEFAULT_TUNING = {"PACK_THREADS": 256, "ABSMAX_THREADS": 512, "ITEMS": 2, "ABSMAX_CTAS_PER_SM": 4}
 RESIDUAL_THREADS = 256
 TUNING_DEFINES: tuple = ()
 
@@ -242,8 +242,7 @@ def pack_nvfp4(
     else:
         global_scale = static_scale.reshape(1)
     threads = tuning["PACK_THREADS"]
-    rows_per_warp = 4 if tuning["PACK_ROW_QUADS"] else 1  # one warp per row (or per row quad)
-    grid = max(1, min(-(-rows128 // (rows_per_warp * threads // 32)), mod.sm_count * 64))
+    grid = max(1, min(-(-rows128 // (threads // 32)), mod.sm_count * 64))  # one warp per row
     params = _PackParams(src, global_scale.data_ptr(), qdata.data_ptr(), scales.view(torch.uint8).data_ptr(),
                          rows16, rows128, groups)
     mod.launch(f"nvfp4_pack_{variant}", grid, threads, params, stream)
