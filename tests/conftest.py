@@ -38,7 +38,7 @@ def cuda_available() -> bool:
 
 
 requires_cuda = pytest.mark.skipif(
-    not cuda_available(), reason="needs a CUDA GPU (runs on the GPU machine; CPU CI skips it)"
+    not cuda_available(), reason="needs a CUDA GPU (CPU-only machines skip the GPU tests)"
 )
 
 
