@@ -132,7 +132,7 @@ class H3FusedNVFP4Toggle(io.ComfyNode):
                 "same bits; use it to A/B speed or to rule the pack out when debugging."
             ),
             inputs=[
-                io.Model.Input("model"),
+                io.Model.Input("model", tooltip="A MiniMax H3 model (patched or not); the output is a clone."),
                 io.Combo.Input("path", options=PATHS, default="fused",
                                tooltip="fused: this pack's kernels. comfy: ComfyUI's stock packer and linear path."),
                 _scope_input(),
