@@ -27,6 +27,7 @@ ROWS = 37810
 # how much of the time is the E2M1 conversion or the scale stores.
 VARIANTS = {
     "default": (),
+    "plain_items2": (("PLAIN_ITEMS", "2"),),
     "items1": (("ITEMS", "1"),),
     "items4": (("ITEMS", "4"),),
     "e2m1_compare": (("E2M1_SW_IMPL", "0"),),

@@ -21,7 +21,7 @@
 // scale matrix has U = roundup(K/16, 4)/4 column groups per row; a group covers 64 input columns and owns 4
 // contiguous scale bytes of the swizzled layout. Each lane packs one 16-block (two 16-byte loads, one block
 // scale, 8 bytes of codes); lane 0 of each 4-lane group gathers the group's 4 scale bytes with three shuffles
-// and stores them as one word. ITEMS blocks per lane are in flight to cover HBM latency. Rows cover
+// and stores them as one word. Items blocks per lane are in flight to cover HBM latency. Rows cover
 // [0, roundup(roundup(M,16),128)): rows in [M, roundup(M,16)) are packed from zeros (as comfy-kitchen pads
 // them), rows beyond only get zero scales. (Splitting a block over two lanes measured slower on the H200.)
 //
@@ -30,7 +30,10 @@
 
 // Tuning knobs (kernels/ops.py reads the same values; benchmarks may override them with -D).
 #ifndef ITEMS
-#define ITEMS 2
+#define ITEMS 2        // modulated and SwiGLU sources (more arithmetic per value, more registers)
+#endif
+#ifndef PLAIN_ITEMS
+#define PLAIN_ITEMS 4  // plain source: only loads in flight matter
 #endif
 #ifndef PACK_THREADS
 #define PACK_THREADS 256
@@ -172,7 +175,7 @@ __device__ __forceinline__ void absmax_finish(const AbsmaxParams& p, u32 acc) {
 }
 
 
-template <class Source>
+template <class Source, int Items>
 __device__ __forceinline__ void absmax_body(const AbsmaxParams& p) {
     const SourceParams& s = p.src;
     // 32-bit index math throughout: the host guarantees every count fits in 31 bits (64-bit division is slow).
@@ -180,10 +183,10 @@ __device__ __forceinline__ void absmax_body(const AbsmaxParams& p) {
     const u32 total = (u32)s.rows * chunks_per_row;
     const u32 stride = gridDim.x * blockDim.x;
     u32 acc = 0;
-    for (u32 base = blockIdx.x * blockDim.x * ITEMS + threadIdx.x; base < total; base += stride * ITEMS) {
-        u32 w[ITEMS][4];
+    for (u32 base = blockIdx.x * blockDim.x * Items + threadIdx.x; base < total; base += stride * Items) {
+        u32 w[Items][4];
 #pragma unroll
-        for (int i = 0; i < ITEMS; ++i) {
+        for (int i = 0; i < Items; ++i) {
             u32 c = base + (u32)i * blockDim.x;
             if (c < total) {
                 u32 row = c / chunks_per_row;
@@ -193,7 +196,7 @@ __device__ __forceinline__ void absmax_body(const AbsmaxParams& p) {
             }
         }
 #pragma unroll
-        for (int i = 0; i < ITEMS; ++i) {
+        for (int i = 0; i < Items; ++i) {
             acc = abs_bits_max_x2(acc, w[i][0]);
             acc = abs_bits_max_x2(acc, w[i][1]);
             acc = abs_bits_max_x2(acc, w[i][2]);
@@ -252,7 +255,7 @@ __device__ __forceinline__ void absmax_swiglu_body(const AbsmaxParams& p) {
 
 // ---- pack ------------------------------------------------------------------------------------------------
 
-template <class Source>
+template <class Source, int Items>
 __device__ __forceinline__ void pack_body(const PackParams& p) {
     const SourceParams& s = p.src;
     const u32 lanes_per_row = (u32)p.groups * 4;
@@ -268,10 +271,10 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
         const bool packed_row = row < rows16;
         u8* qrow = p.qdata + (u64)row * (cols / 2);
         u8* srow = p.scales + (u64)(row >> 7) * scale_groups * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4;
-        for (u32 c0 = 0; c0 < lanes_per_row; c0 += 32 * ITEMS) {
-            u32 w[ITEMS][8];
+        for (u32 c0 = 0; c0 < lanes_per_row; c0 += 32 * Items) {
+            u32 w[Items][8];
 #pragma unroll
-            for (int i = 0; i < ITEMS; ++i) {
+            for (int i = 0; i < Items; ++i) {
                 const u32 col = (c0 + 32 * i + lane) * 16;
                 if (data_row && col < cols) {
                     Source::load(s, (i64)row, (i64)col, w[i]);
@@ -282,7 +285,7 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
                 }
             }
 #pragma unroll
-            for (int i = 0; i < ITEMS; ++i) {
+            for (int i = 0; i < Items; ++i) {
                 const u32 c = c0 + 32 * i + lane;
                 const u32 col = c * 16;
                 u32 m = bf16x2_max(bf16x2_max(bf16x2_absmax(w[i][0], w[i][1]), bf16x2_absmax(w[i][2], w[i][3])),
@@ -340,10 +343,10 @@ __device__ __forceinline__ void gated_residual_body(const GatedResidualParams& p
 
 // ---- entry points (one name per variant; kernels/runtime.py looks them up by name) -------------------------
 
-extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_plain(const AbsmaxParams p) { absmax_body<PlainSource>(p); }
-extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_modulate(const AbsmaxParams p) { absmax_body<ModulateSource>(p); }
+extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_plain(const AbsmaxParams p) { absmax_body<PlainSource, PLAIN_ITEMS>(p); }
+extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_modulate(const AbsmaxParams p) { absmax_body<ModulateSource, ITEMS>(p); }
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_swiglu(const AbsmaxParams p) { absmax_swiglu_body(p); }
-extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_plain(const PackParams p) { pack_body<PlainSource>(p); }
-extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_modulate(const PackParams p) { pack_body<ModulateSource>(p); }
-extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_swiglu(const PackParams p) { pack_body<SwigluSource>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_plain(const PackParams p) { pack_body<PlainSource, PLAIN_ITEMS>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_modulate(const PackParams p) { pack_body<ModulateSource, ITEMS>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_swiglu(const PackParams p) { pack_body<SwigluSource, ITEMS>(p); }
 extern "C" __global__ void __launch_bounds__(256) h3_gated_residual(const GatedResidualParams p) { gated_residual_body(p); }
