@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import conftest  # noqa: E402,F401
-from bench_pack import copy_bandwidth_gbs, device_info, time_ms  # noqa: E402
+from bench_pack import copy_bandwidth_gbs, device_info, time_ms, warm_up_gpu  # noqa: E402
 
 from h3_fused_nvfp4.kernels import ops  # noqa: E402
 
@@ -38,6 +38,7 @@ def main():
     def views(t):
         return t[:, :7168].view(1, rows, 56, 128), t[:, 7168:14336].view(1, rows, 56, 128)
 
+    warm_up_gpu()
     a, b = qkv.clone(), qkv.clone()
     ck.rms_rope_split_half_(*views(a), freqs, qw, kw, epsilon=1e-5, rot_dim=96)
     ops.rms_rope_split_half_(*views(b), freqs, qw, kw, 1e-5, 96)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import conftest  # noqa: E402,F401  (imports this repository as h3_fused_nvfp4)
 import h3_mirror as mirror  # noqa: E402
 from h3_mirror import object_patches  # noqa: E402
-from bench_pack import copy_bandwidth_gbs, device_info  # noqa: E402
+from bench_pack import copy_bandwidth_gbs, device_info, warm_up_gpu  # noqa: E402
 
 from h3_fused_nvfp4.integration import patch  # noqa: E402
 from h3_fused_nvfp4.integration.linear import gemm_mode  # noqa: E402
@@ -247,6 +247,8 @@ def main():
     patches, report = patch.build_patches(holder, "block")
     work = torch.empty_like(x)
 
+    if cuda:
+        warm_up_gpu()
     stock = run_block(holder, inputs, work).clone()
     with object_patches(holder, patches):
         fused = run_block(holder, inputs, work).clone()

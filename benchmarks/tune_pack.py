@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import conftest  # noqa: E402,F401
-from bench_pack import time_ms  # noqa: E402
+from bench_pack import time_ms, warm_up_gpu  # noqa: E402
 
 from h3_fused_nvfp4.kernels import ops  # noqa: E402
 
@@ -61,6 +61,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "tune.json"))
     args = parser.parse_args()
+    warm_up_gpu()
     fns = cases()
     reference = {}
     results = {}
