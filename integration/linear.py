@@ -196,20 +196,32 @@ class FusedNVFP4Linear:
             except runtime.KernelBuildError as exc:
                 reason = f"kernel build failed: {exc}"
         if reason is not None:
-            self.note(reason)
-            self.calls_stock += 1
-            return self.stock_forward(stock_input() if stock_input is not None else x)
-        self.calls_fused += 1
+            return self._stock(reason, x, stock_input)
         out_shape = (*x.shape[:-1], self.layer.out_features)
+        out = None
         with layer_weights(self.layer, x2) as (weight, bias):
-            static, static_alpha = self.static_scale(x.device)
-            with _allocation_context():
-                packed = backend.pack_nvfp4(
-                    x2, static_scale=static,
-                    weight_scale_2=None if static is not None else weight._params.scale.reshape(1),
-                    swiglu=swiglu, modulation=modulation,
-                )
-                if static is not None:
-                    packed.alpha = static_alpha
-                out = nvfp4_gemm(packed, weight, bias, self.layer.out_features)
+            if not is_nvfp4_weight(weight):
+                reason = "ComfyUI's weight cast returned a non-NVFP4 weight"  # handled after the cast is undone
+            else:
+                static, static_alpha = self.static_scale(x.device)
+                try:
+                    with _allocation_context():
+                        packed = backend.pack_nvfp4(
+                            x2, static_scale=static,
+                            weight_scale_2=None if static is not None else weight._params.scale.reshape(1),
+                            swiglu=swiglu, modulation=modulation,
+                        )
+                        if static is not None:
+                            packed.alpha = static_alpha
+                        out = nvfp4_gemm(packed, weight, bias, self.layer.out_features)
+                except runtime.KernelBuildError as exc:  # a failed launch: nothing was written to the output
+                    reason = f"kernel launch failed: {exc}"
+        if out is None:
+            return self._stock(reason, x, stock_input)
+        self.calls_fused += 1
         return out.reshape(out_shape) if x.dim() >= 3 else out
+
+    def _stock(self, reason: str, x: torch.Tensor, stock_input):
+        self.note(reason)
+        self.calls_stock += 1
+        return self.stock_forward(stock_input() if stock_input is not None else x)

@@ -4,6 +4,8 @@ The mirror (tests/h3_mirror.py) reproduces ComfyUI's DiTBlock and NVFP4 Linear; 
 way ComfyUI applies object patches (set the attribute, restore it afterwards).
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -128,3 +130,42 @@ def test_structural_matching_rejects_wrong_shapes():
     assert patch.block_kind(model.token_refiner.blocks[0]) == "refiner"
     block.mlp.fc2 = mirror.make_linear(FFN, HIDDEN // 2, bias=False, seed=4, device="cpu")
     assert patch.block_kind(block) is None
+
+
+def test_unexpected_weight_cast_and_launch_failure_fall_back(monkeypatch):
+    """If ComfyUI's cast hands back a plain weight, or a kernel launch fails, the layer runs ComfyUI's path
+    with the reason logged, instead of failing the user's graph."""
+    from h3_fused_nvfp4.integration import linear
+    from h3_fused_nvfp4.kernels import runtime
+
+    seed = torch.seed() % 2**31
+    model = make_model(seed)
+    x = make_inputs(seed + 1)[0]
+    layer = model.blocks[0].attn.qkv_proj
+    with torch.inference_mode():
+        stock = layer(x)
+
+    @contextlib.contextmanager
+    def dequantizing_cast(layer_, x_):
+        yield layer_.weight.dequantize(), layer_.bias
+
+    fused = linear.FusedNVFP4Linear(layer, "qkv")
+    monkeypatch.setattr(linear, "layer_weights", dequantizing_cast)
+    with torch.inference_mode():
+        out = fused(x)
+    assert torch.equal(out.view(torch.int16), stock.view(torch.int16))
+    assert fused.calls_stock == 1 and fused.calls_fused == 0 and any("non-NVFP4" in r for r in fused._logged)
+    monkeypatch.undo()
+
+    def failing_pack(*args, **kwargs):
+        raise runtime.KernelBuildError("cuLaunchKernel(nvfp4_pack_plain) failed: CUDA error 700")
+
+    fused = linear.FusedNVFP4Linear(layer, "qkv")
+    monkeypatch.setattr(linear.reference_ops, "pack_nvfp4", failing_pack)
+    with torch.inference_mode():
+        out = fused(x)
+        out_again = fused(x)
+    assert torch.equal(out.view(torch.int16), stock.view(torch.int16))
+    assert torch.equal(out_again.view(torch.int16), stock.view(torch.int16))
+    assert fused.calls_stock == 2 and fused.calls_fused == 0
+    assert [r for r in fused._logged if "launch failed" in r] and len(fused._logged) == 1
