@@ -142,9 +142,13 @@ class FusedAttention:
         qw = _cast_weight(attn.q_norm.weight, x.device)
         kw = _cast_weight(attn.k_norm.weight, x.device)
         rot = rope_freqs.shape[-3] * 2
-        if ops.rms_rope_support(q, k, rope_freqs, qw, kw, rot) is None:
-            ops.rms_rope_split_half_(q, k, rope_freqs, qw, kw, attn.q_norm.eps, rot)
-        else:
+        fused = ops.rms_rope_support(q, k, rope_freqs, qw, kw, rot) is None
+        if fused:
+            try:
+                ops.rms_rope_split_half_(q, k, rope_freqs, qw, kw, attn.q_norm.eps, rot)
+            except runtime.KernelBuildError:  # the kernel did not build or launch; q and k are untouched
+                fused = False
+        if not fused:
             import comfy_kitchen as ck
 
             ck.rms_rope_split_half_(q, k, rope_freqs, qw, kw, epsilon=attn.q_norm.eps, rot_dim=rot)

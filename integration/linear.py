@@ -69,7 +69,7 @@ def layer_weights(layer, x: torch.Tensor):
 
 
 def is_nvfp4_weight(weight) -> bool:
-    return getattr(weight, "_layout_cls", None) == NVFP4_LAYOUT or type(getattr(weight, "_layout_cls", None)).__name__ == NVFP4_LAYOUT
+    return getattr(weight, "_layout_cls", None) == NVFP4_LAYOUT  # comfy-kitchen QuantizedTensor layout name
 
 
 def is_nvfp4_linear(module) -> bool:
