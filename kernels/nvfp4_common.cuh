@@ -9,6 +9,8 @@
 //   s8 = cvt.rn.satfinite.e4m3x2(d)
 //   e  = min.ftz(rcp.approx.ftz(mul.ftz(g, float(s8))), FLT_MAX)
 //   q  = cvt.rn.satfinite.e2m1x2(mul.ftz(e, x_i))          software RNE on sm_90 (no e2m1 instruction)
+// On sm_90 the conversion is done two values at a time in bf16x2 arithmetic (see e2m1_magnitude_codes_x2); the
+// rounding argument is spelled out there and tests/test_gpu_arith.py checks it on every fp32 input.
 // The Python twin of this routine is reference/nvfp4.py; keep the two in step.
 //
 // Everything else (the elementwise prologues in nvfp4_pack.cu) reproduces PyTorch's own CUDA arithmetic and is
@@ -44,7 +46,7 @@ NVFP4_DEVICE u32 pack_bf16x2(float lo, float hi) {
 
 // ---- 16-byte global loads/stores -------------------------------------------------------------------------
 
-struct u32x4 { u32 x, y, z, w; };
+struct alignas(16) u32x4 { u32 x, y, z, w; };
 
 NVFP4_DEVICE u32x4 load_16B(const void* p) {
     u32x4 v;
@@ -86,6 +88,33 @@ NVFP4_DEVICE u16 bf16x2_hmax(u32 v) {
         "  mov.b32 {lo, hi}, %1;\n"
         "  max.bf16 %0, lo, hi; }" : "=h"(r) : "r"(v));
     return r;
+}
+
+// ---- bf16x2 arithmetic ------------------------------------------------------------------------------------
+// One IEEE round-to-nearest-even per half. For bf16 operands this equals PyTorch's bf16 ops (fp32 opmath, then
+// one rounding to bf16): a product of two bf16 values is exact in fp32, and a sum of two bf16 values rounded to
+// fp32 first and then to bf16 rounds the same as once (double rounding is innocuous for + and * when the
+// intermediate format has at least 2p+1 bits: 24 >= 2*8+1). tests/test_gpu_arith.py checks every operand pair.
+
+NVFP4_DEVICE u32 bf16x2_fma(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+NVFP4_DEVICE u32 bf16x2_min(u32 a, u32 b) {
+    u32 r;
+    asm("min.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+#define BF16X2_ONE 0x3F803F80u
+#define BF16X2_NEG_ZERO 0x80008000u
+NVFP4_DEVICE u32 bf16x2_add(u32 a, u32 b) { return bf16x2_fma(a, BF16X2_ONE, b); }
+NVFP4_DEVICE u32 bf16x2_mul(u32 a, u32 b) { return bf16x2_fma(a, b, BF16X2_NEG_ZERO); }  // -0 keeps the sign of a zero product
+
+// torch's CUDA silu in fp32 opmath: x / (1 + expf(-x)), IEEE division, then rounded to bf16 (the pack kernels
+// compile without fast math, so expf is the accurate libdevice one, as in PyTorch's build).
+NVFP4_DEVICE float silu_bf16(float x) {
+    return bf16_to_f32(f32_to_bf16(__fdiv_rn(x, __fadd_rn(1.0f, expf(-x)))));
 }
 
 // torch.amax semantics for the global scale: NaN wins. On |x| bit patterns (sign cleared) an unsigned
@@ -146,7 +175,9 @@ NVFP4_DEVICE float mul_ftz(float a, float b) {
 #endif
 
 #ifndef E2M1_SW_IMPL
-#define E2M1_SW_IMPL 3  // 3: magic-number rounding (default); 0: the compare chain that spells out the rules
+// 4: two values at a time in bf16x2 arithmetic, with a per-block NaN check (default);
+// 3: one value at a time by magic-number rounding; 0: the compare chain that spells out the rules
+#define E2M1_SW_IMPL 4
 #endif
 
 #ifndef NVFP4_HW_E2M1
@@ -165,7 +196,7 @@ NVFP4_DEVICE u32 e2m1_code_sw(float v) {
 #elif E2M1_SW_IMPL == 9
     // Timing probe only (benchmarks/tune_pack.py): NOT a correct conversion.
     return (b >> 28) & 15u;
-#else
+#else  // 3, and the NaN fallback of 4
     // Default, branch-free and the fastest measured on the H200 (benchmarks/h200-tune-pack.json). The grid step
     // is 0.5 below 2, 1 below 4 and 2 above, i.e. 2^(e-1) with e = clamp(exponent, 0, 2). Scale |v| onto a unit
     // grid (exact: a power of two), round half to even by adding 1.5 * 2^23 and read the integer from the
@@ -202,6 +233,75 @@ NVFP4_DEVICE u32 encode8(const u32 w[4], float e) {
         out |= byte << (8 * i);
     }
     return out;
+}
+
+// E2M1 codes of two magnitudes v0, v1 (fp32 >= 0 or +inf, never NaN) in bf16x2 arithmetic, two values per
+// instruction (used on GPUs without the E2M1 instruction). Returns the bf16x2 pair 128 + code (code in bits 0-2 and 16-18, 0x43 in bytes 1 and 3).
+//   1. Round to odd into bf16: truncate to the high half and set its last bit if any dropped bit was set
+//      ("+ 0xFFFF" carries into bit 16 exactly then). A value rounded to odd with at least two more bits than
+//      the target rounds to nearest even exactly like the original; bf16 keeps >= 6 more bits than the E2M1
+//      grid anywhere the grid is finer than 2^-1, and ties (0.25, 0.75, ..., 5) are bf16 values, kept as is.
+//   2. Clamp to 6 (the saturation value; inf -> 6).
+//   3. On [0, 6] the code is min(rne(2y), rne(y) + 2, rne(y / 2) + 4): each term is the E2M1 grid of one range
+//      (step 0.5 below 2, 1 below 4, 2 above) and is the smallest exactly on its own range. Each term is one
+//      fma into [128, 256), where the bf16 step is 1, so the hardware's round-to-nearest-even of the sum is the
+//      rne of the term and ties go to the even code.
+NVFP4_DEVICE u32 e2m1_magnitude_codes_x2(float v0, float v1) {
+    const u32 b0 = __float_as_uint(v0), b1 = __float_as_uint(v1);
+    const u32 truncated = __byte_perm(b0, b1, 0x7632);
+    const u32 bumped = __byte_perm(b0 + 0xFFFFu, b1 + 0xFFFFu, 0x7632);
+    u32 y = truncated | ((truncated ^ bumped) & 0x00010001u);       // round to odd
+    y = bf16x2_min(y, 0x40C040C0u);                                  // min(., 6)
+    const u32 fine = bf16x2_fma(y, 0x40004000u, 0x43004300u);        // 2y    + 128
+    const u32 mid = bf16x2_fma(y, BF16X2_ONE, 0x43024302u);          // y     + 130
+    const u32 coarse = bf16x2_fma(y, 0x3F003F00u, 0x43044304u);      // y / 2 + 132
+    return bf16x2_min(bf16x2_min(fine, mid), coarse);
+}
+
+// 8 bf16 values (words w, their magnitudes a) scaled by e -> 8 codes in 4 bytes, as encode8 for NaN-free input.
+// The sign of each code is the sign of x (e > 0, so x * e has the sign of x, zeros included).
+NVFP4_DEVICE u32 encode8_no_nan(const u32 w[4], const u32 a[4], float e) {
+    u32 pair[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u32 codes = e2m1_magnitude_codes_x2(mul_ftz(e, bf16_lo(a[i])), mul_ftz(e, bf16_hi(a[i])));
+        pair[i] = codes | ((w[i] >> 12) & 0x00080008u);  // sign bits 15, 31 -> code bit 3
+    }
+    // Gather byte 0 (first value of each pair) and byte 2 (second value); the first goes to the high nibble.
+    const u32 p01 = __byte_perm(pair[0], pair[1], 0x6240), p23 = __byte_perm(pair[2], pair[3], 0x6240);
+    return (__byte_perm(p01, p23, 0x5410) << 4) | __byte_perm(p01, p23, 0x7632);
+}
+
+// One 16-value block (8 words): block scale byte and 16 codes (lo: values 0-7, hi: values 8-15).
+NVFP4_DEVICE void quantize_block16(const u32 w[8], float g, u32& scale_byte, u32& lo, u32& hi) {
+#if !defined(NVFP4_HW_E2M1) && E2M1_SW_IMPL == 4
+    // |x| bit patterns order like magnitudes, with NaN above inf: an integer max finds the block absmax and
+    // tells whether the block holds a NaN. Without one it equals the NaN-skipping bf16 max of the reference.
+    u32 a[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) a[j] = w[j] & 0x7FFF7FFFu;
+    const u32 m = __vmaxu2(__vmaxu2(__vmaxu2(a[0], a[1]), __vmaxu2(a[2], a[3])),
+                           __vmaxu2(__vmaxu2(a[4], a[5]), __vmaxu2(a[6], a[7])));
+    const u32 amax = max(m & 0xFFFFu, m >> 16);
+    if (amax <= 0x7F80u) {
+        const BlockScale bs = block_scale_from_absmax((u16)amax, g);
+        // The pairwise path needs every x * e to be a non-NaN magnitude with the sign of x: e > 0. (e is 0 when
+        // g is inf and the block holds an inf: then inf * 0 is NaN, which converts to +6.)
+        if (bs.encode > 0.0f) {
+            scale_byte = bs.byte;
+            lo = encode8_no_nan(w, a, bs.encode);
+            hi = encode8_no_nan(w + 4, a + 4, bs.encode);
+            return;
+        }
+    }
+    // A NaN in the block, or e <= 0 (rare): the value-at-a-time sequence below.
+#endif
+    const u32 mx = bf16x2_max(bf16x2_max(bf16x2_absmax(w[0], w[1]), bf16x2_absmax(w[2], w[3])),
+                              bf16x2_max(bf16x2_absmax(w[4], w[5]), bf16x2_absmax(w[6], w[7])));
+    const BlockScale bs = block_scale_from_absmax(bf16x2_hmax(mx), g);
+    scale_byte = bs.byte;
+    lo = encode8(w, bs.encode);
+    hi = encode8(w + 4, bs.encode);
 }
 
 // ---- swizzled block-scale layout (must match reference/nvfp4.py::swizzled_scale_offset) -------------------

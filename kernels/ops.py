@@ -32,6 +32,7 @@ class _SourceParams(ctypes.Structure):
         ("x", ctypes.c_void_p), ("x_row_stride", ctypes.c_int64), ("rows", ctypes.c_int64),
         ("cols", ctypes.c_int64), ("up_offset", ctypes.c_int64), ("mod_scale", ctypes.c_void_p),
         ("mod_shift", ctypes.c_void_p), ("mod_row_stride", ctypes.c_int64), ("mod_index", ctypes.c_void_p),
+        ("silu_table", ctypes.c_void_p),
     ]
 
 
@@ -59,7 +60,8 @@ class _GatedResidualParams(ctypes.Structure):
 
 
 # Launch shape; must match the defaults in nvfp4_pack.cu. TUNING_DEFINES overrides both (benchmarks only).
-DEFAULT_TUNING = {"PACK_THREADS": 256, "ABSMAX_THREADS": 512, "ITEMS": 2, "ABSMAX_CTAS_PER_SM": 4}
+DEFAULT_TUNING = {"PACK_THREADS": 256, "ABSMAX_THREADS": 512, "ITEMS": 1, "ABSMAX_CTAS_PER_SM": 4,
+                  "SILU_TABLE_THREADS": 512, "SILU_TABLE": 1}
 RESIDUAL_THREADS = 256
 TUNING_DEFINES: tuple = ()
 
@@ -152,6 +154,30 @@ def _workspace(device: torch.device, stream: int) -> torch.Tensor:
     return ws
 
 
+# ---- SwiGLU silu table: torch's own bf16 silu of every bf16 bit pattern --------------------------------------
+
+SILU_TABLE_SHARED_BYTES = 65536 * 2
+_silu_tables: dict[int, torch.Tensor] = {}
+
+
+def silu_table(device: torch.device) -> torch.Tensor:
+    """bf16 ``[65536]``: entry ``b`` is ``torch.nn.functional.silu`` of the bf16 value with bit pattern ``b``.
+
+    Built once per device by torch itself, so a lookup returns exactly what ComfyUI's ``silu`` computes
+    (stream-ordered, no host sync)."""
+    table = _silu_tables.get(device.index)
+    if table is None:
+        bits = torch.arange(65536, dtype=torch.int32, device=device)
+        values = torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16).view(torch.bfloat16)
+        table = _silu_tables.setdefault(device.index, torch.nn.functional.silu(values).contiguous())
+    return table
+
+
+def _silu_table_fits(mod) -> bool:
+    """The table kernel needs 128 KB of shared memory per CTA (sm_90 / sm_100 have 227 KB, sm_120 has 99 KB)."""
+    return mod.max_shared_per_block >= SILU_TABLE_SHARED_BYTES
+
+
 # ---- public API -------------------------------------------------------------------------------------------
 
 @dataclass
@@ -241,11 +267,15 @@ def pack_nvfp4(
         alpha = scalars[1:2] if want_alpha else None
     else:
         global_scale = static_scale.reshape(1)
-    threads = tuning["PACK_THREADS"]
+    kernel, threads, shared = f"nvfp4_pack_{variant}", tuning["PACK_THREADS"], 0
     grid = max(1, min(-(-rows128 // (threads // 32)), mod.sm_count * 64))  # one warp per row
+    if variant == "swiglu" and tuning["SILU_TABLE"] and _silu_table_fits(mod):
+        src.silu_table = silu_table(x.device).data_ptr()
+        kernel, threads, shared = "nvfp4_pack_swiglu_table", tuning["SILU_TABLE_THREADS"], SILU_TABLE_SHARED_BYTES
+        grid = max(1, min(-(-rows128 // (threads // 32)), mod.sm_count))  # one CTA per SM, persistent
     params = _PackParams(src, global_scale.data_ptr(), qdata.data_ptr(), scales.view(torch.uint8).data_ptr(),
                          rows16, rows128, groups)
-    mod.launch(f"nvfp4_pack_{variant}", grid, threads, params, stream)
+    mod.launch(kernel, grid, threads, params, stream, shared_bytes=shared)
     return PackedActivation(qdata, scales, global_scale, alpha, rows, k)
 
 

@@ -164,8 +164,10 @@ def compile_ptx(arch: str, source: str = SOURCES[0], defines: tuple = ()) -> str
 
 
 def cached_cubin(arch: str, source: str = SOURCES[0], defines: tuple = ()) -> bytes:
+    """``source``: a file name in this folder, or an absolute path (test kernels that include our headers)."""
     key = hashlib.sha256(
-        repr((CACHE_SCHEMA, source, source_digest(), NVRTC_OPTIONS, defines, arch, nvrtc_version())).encode()
+        repr((CACHE_SCHEMA, source, source_digest(), _read(source), NVRTC_OPTIONS, defines, arch,
+              nvrtc_version())).encode()
     ).hexdigest()[:32]
     path = cache_dir() / f"{pathlib.Path(source).stem}-{arch}-{key}.cubin"
     try:
@@ -244,7 +246,17 @@ class Module:
             self._image = ctypes.create_string_buffer(cubin, len(cubin))
             _check_cu(lib, lib.cuModuleLoadData(ctypes.byref(self._module), self._image), "cuModuleLoadData")
         self._functions: dict[str, ctypes.c_void_p] = {}
-        self.sm_count = torch.cuda.get_device_properties(device_index).multi_processor_count
+        self._shared_limit: dict[str, int] = {}
+        props = torch.cuda.get_device_properties(device_index)
+        self.sm_count = props.multi_processor_count
+        self.max_shared_per_block = self._device_attribute(97)  # CU_..._MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+
+    def _device_attribute(self, attribute: int) -> int:
+        lib = driver()
+        dev, value = ctypes.c_int(), ctypes.c_int()
+        _check_cu(lib, lib.cuDeviceGet(ctypes.byref(dev), self.device_index), "cuDeviceGet")
+        _check_cu(lib, lib.cuDeviceGetAttribute(ctypes.byref(value), attribute, dev), "cuDeviceGetAttribute")
+        return value.value
 
     def function(self, name: str) -> ctypes.c_void_p:
         fn = self._functions.get(name)
@@ -255,14 +267,22 @@ class Module:
             self._functions[name] = fn
         return fn
 
-    def launch(self, name: str, grid: int, block: int, params: ctypes.Structure, stream_handle: int) -> None:
-        """Launch ``name`` with one by-value struct argument on the given raw CUDA stream (no sync)."""
+    def launch(self, name: str, grid: int, block: int, params: ctypes.Structure, stream_handle: int,
+               shared_bytes: int = 0) -> None:
+        """Launch ``name`` with one by-value struct argument on the given raw CUDA stream (no sync).
+
+        ``shared_bytes``: dynamic shared memory; above 48 KB the kernel's limit is raised once (opt-in)."""
         lib = driver()
+        fn = self.function(name)
+        if shared_bytes > self._shared_limit.get(name, 48 * 1024):
+            # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _check_cu(lib, lib.cuFuncSetAttribute(fn, 8, shared_bytes), f"cuFuncSetAttribute({name})")
+            self._shared_limit[name] = shared_bytes
         args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-        result = lib.cuLaunchKernel(self.function(name), grid, 1, 1, block, 1, 1, 0, stream_handle, args, None)
+        result = lib.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, shared_bytes, stream_handle, args, None)
         if result == 201:  # CUDA_ERROR_INVALID_CONTEXT: a thread torch has not bound to this device yet
             lib.cuCtxSetCurrent(self._context)
-            result = lib.cuLaunchKernel(self.function(name), grid, 1, 1, block, 1, 1, 0, stream_handle, args, None)
+            result = lib.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, shared_bytes, stream_handle, args, None)
         _check_cu(lib, result, f"cuLaunchKernel({name})")
 
 

@@ -194,7 +194,9 @@ def test_reference_matches_kernel_on_gpu_data():
     differs = (fused_scales != ref_scales) | (fused_q != ref_q).any(dim=-1)
     unexplained = differs & ~sensitive
     assert unexplained.sum().item() == 0, f"{unexplained.sum().item()} blocks differ outside the documented cases (seed {seed})"
-    assert sensitive.float().mean().item() < 1e-2, f"seed {seed}"
+    # The one-ulp nudges over-approximate: for some global scales (e.g. g = 7/32) up to ~10% of random blocks
+    # sit within an ulp of an e4m3 or E2M1 tie. The bound only checks that the escape hatch stays narrow.
+    assert sensitive.float().mean().item() < 0.25, f"{sensitive.float().mean().item():.1%} sensitive (seed {seed})"
 
 
 # ---- fused sources vs ComfyUI's stock elementwise ops -------------------------------------------------------
@@ -224,9 +226,14 @@ def test_modulated_pack_matches_stock(rows):
     assert_same_pack(fused, *comfy_pack(stock), f"modulate rows {rows} seed {seed}")
 
 
+@pytest.mark.parametrize("silu", ["table", "formula"])
 @pytest.mark.parametrize("rows,case", [(H3_ROWS, "random"), (129, "random"), (4000, "flat"), (300, "inf"),
                                        (300, "nan"), (300, "negative")])
-def test_swiglu_pack_matches_stock(rows, case):
+def test_swiglu_pack_matches_stock(rows, case, silu, monkeypatch):
+    """Both silu sources: the shared-memory table (sm_90/sm_100) and the evaluated formula (sm_120, fallback)."""
+    ops = _ops()
+    if silu == "formula":
+        monkeypatch.setattr(ops, "TUNING_DEFINES", (("SILU_TABLE", "0"),))
     seed = fresh_seed()
     y = (torch.randn(rows, 2 * 14336, device="cuda") * 3).to(torch.bfloat16)
     if case == "flat":  # every |g * u| close to the max: the amax bound prunes almost nothing

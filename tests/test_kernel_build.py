@@ -95,9 +95,9 @@ def test_ptx_uses_hardware_e2m1_from_sm100(arch):
         assert HW_E2M1 not in ptx, f"{arch} has no E2M1 instruction; the software path should be built"
 
 
-@pytest.mark.parametrize("impl", ["0", "3", "9"])
+@pytest.mark.parametrize("impl", ["0", "3", "4", "9"])
 def test_sm90_software_e2m1_variants_build(impl):
-    """The software E2M1 variants (compare chain, default, timing probe; benchmarks/tune_pack.py) compile."""
+    """The software E2M1 variants (compare chain, value at a time, pairwise default, timing probe) compile."""
     _require_nvrtc()
     ptx = runtime.compile_ptx("sm_90a", PACK_SOURCE, defines=(("E2M1_SW_IMPL", impl),))
     assert HW_E2M1 not in ptx
