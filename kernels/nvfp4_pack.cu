@@ -17,14 +17,13 @@
 //                    here (pad rows of qdata, pad rows and columns of the scales), so no zero-fill launch.
 //   h3_gated_residual  x[r] += other[r] * gate[m]  in place (ComfyUI's per-segment addcmul_).
 //
-// Thread mapping of the pack. The padded scale matrix has U = roundup(K/16, 4)/4 column groups per row; a group
-// covers 64 input columns and owns 4 contiguous scale bytes of the swizzled layout. Each lane packs one 16-block
-// (two 16-byte loads, one block scale, 8 bytes of codes); lane 0 of each 4-lane group gathers the group's 4 scale
-// bytes with three shuffles and stores them as one word. A warp walks the row-major list of all blocks of rows
-// [0, roundup(roundup(M,16),128)) in chunks of 32 * Items blocks (Items per lane in flight to cover HBM
-// latency), across row ends, so no lane idles at the end of a row: rows in [M, roundup(M,16)) are packed from
-// zeros (as comfy-kitchen pads them), rows beyond only get zero scales. (Measured slower on the H200: one row
-// per warp, +12% at K=5376; splitting a block over two lanes for 512-byte coalesced loads, +17%.)
+// Thread mapping of the pack. One warp packs one row at a time. The padded
+// scale matrix has U = roundup(K/16, 4)/4 column groups per row; a group covers 64 input columns and owns 4
+// contiguous scale bytes of the swizzled layout. Each lane packs one 16-block (two 16-byte loads, one block
+// scale, 8 bytes of codes); lane 0 of each 4-lane group gathers the group's 4 scale bytes with three shuffles
+// and stores them as one word. Items blocks per lane are in flight to cover HBM latency. Rows cover
+// [0, roundup(roundup(M,16),128)): rows in [M, roundup(M,16)) are packed from zeros (as comfy-kitchen pads
+// them), rows beyond only get zero scales. (Splitting a block over two lanes measured slower on the H200.)
 //
 // Requirements checked on the host (kernels/ops.py): K % 16 == 0, 16-byte aligned rows and tables.
 #include "nvfp4_common.cuh"
@@ -38,9 +37,6 @@
 #endif
 #ifndef PACK_THREADS
 #define PACK_THREADS 256
-#endif
-#ifndef PACK_MIN_CTAS
-#define PACK_MIN_CTAS 4  // resident CTAs per SM the register allocation must allow (64 registers at 256 threads)
 #endif
 #ifndef SILU_TABLE_THREADS
 #define SILU_TABLE_THREADS 512
@@ -96,6 +92,10 @@ struct GatedResidualParams {
 
 // 0: the plain pack's loads go through L1: each lane reads 32 contiguous bytes in two 16-byte loads, and the
 // second load of each sector hits L1 (measured 12% faster on the H200 than L1::no_allocate).
+// 1: coalesced 512-byte loads and a neighbour swap (tuning candidate), 0: each lane loads its own block.
+#ifndef PACK_COALESCED
+#define PACK_COALESCED 0
+#endif
 #ifndef PLAIN_LOAD_NO_ALLOCATE
 #define PLAIN_LOAD_NO_ALLOCATE 0
 #endif
@@ -275,66 +275,81 @@ __device__ __forceinline__ void absmax_swiglu_body(const AbsmaxParams& p) {
 
 // ---- pack ------------------------------------------------------------------------------------------------
 
-// Quotient and remainder by a divisor d >= 1 with a precomputed magic = floor(2^32 / d) (0xFFFFFFFF for d = 1):
-// the estimate is exact or one short, so one correction step suffices for every 32-bit n.
-struct DivMod { u32 q, r; };
-NVFP4_DEVICE DivMod divmod(u32 n, u32 d, u32 magic) {
-    u32 q = __umulhi(n, magic), r = n - q * d;
-    if (r >= d) { ++q; r -= d; }
-    return {q, r};
-}
-
 template <class Source, int Items>
 __device__ __forceinline__ void pack_body(const PackParams& p) {
     const SourceParams& s = p.src;
-    const u32 lanes_per_row = (u32)p.groups * 4;  // 16-blocks per row, padded to whole scale groups
-    const u32 magic = lanes_per_row == 1 ? 0xFFFFFFFFu : (u32)((1ull << 32) / lanes_per_row);
-    const u32 cols = (u32)s.cols, rows = (u32)s.rows, rows16 = (u32)p.rows16;
-    const u32 total = (u32)p.rows128 * lanes_per_row;
+    const u32 lanes_per_row = (u32)p.groups * 4;
+    const u32 cols = (u32)s.cols, rows = (u32)s.rows, rows16 = (u32)p.rows16, rows128 = (u32)p.rows128;
+    const u32 scale_groups = (u32)p.groups;
     const float g = p.global_scale[0];
     const u32 lane = threadIdx.x & 31;
+#if PACK_COALESCED
+    // Each 16-byte load instruction of the warp reads 512 contiguous bytes: lane l reads values 8l..8l+7 of
+    // both halves of a 32-block chunk, then neighbours swap one half each, so that even lanes hold blocks 0-15
+    // and odd lanes blocks 16-31. A scale group (4 consecutive blocks) sits on lanes 2 apart.
+    const u32 lane_block = (lane >> 1) + 16 * (lane & 1);
+    const u32 group_leader = lane & ~6u;
+    const u32 group_step = 2;
+#else
+    const u32 lane_block = lane;
     const u32 group_leader = lane & ~3u;
-    const u32 step = 32 * Items, warps_total = gridDim.x * (blockDim.x >> 5);
-
-    // The warp walks the row-major list of all 16-blocks (padding rows and scale columns included) in chunks of
-    // 32 * Items, so no lane idles at the end of a row. Rows hold whole scale groups, so the 4 lanes of a group
-    // always share one row.
-    for (u32 base = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * step; base < total; base += warps_total * step) {
-        u32 w[Items][8];
-        DivMod at[Items];
-#pragma unroll
-        for (int i = 0; i < Items; ++i) {
-            at[i] = divmod(base + 32 * i + lane, lanes_per_row, magic);  // (row, block column)
-            const u32 col = at[i].r * 16;
-            if (at[i].q < rows && col < cols) {
-                Source::load(s, (i64)at[i].q, (i64)col, w[i]);
-                Source::load(s, (i64)at[i].q, (i64)col + 8, w[i] + 4);
-            } else {
-#pragma unroll
-                for (int j = 0; j < 8; ++j) w[i][j] = 0;  // rows [M, roundup(M, 16)) are packed from zeros
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < Items; ++i) {
-            const u32 row = at[i].q, c = at[i].r, col = c * 16;
-            u32 block_scale, lo, hi;
-            quantize_block16(w[i], g, block_scale, lo, hi);
-            const bool packed_row = row < rows16, in_cols = col < cols;
-            const u32 scale_byte = (in_cols && packed_row) ? block_scale : 0u;
-            const u32 b1 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 1);
-            const u32 b2 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 2);
-            const u32 b3 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 3);
-            if (base + 32 * i + lane >= total) continue;
-            if (packed_row && in_cols) {
-                u8* q = p.qdata + (u64)row * (cols / 2) + col / 2;
-                asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(q), "r"(lo), "r"(hi) : "memory");
-            }
-#ifndef PACK_SKIP_SCALE_STORE
-            if (lane == group_leader) {
-                u8* srow = p.scales + (u64)(row >> 7) * p.groups * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4;
-                *reinterpret_cast<u32*>(srow + (c >> 2) * 512) = scale_byte | (b1 << 8) | (b2 << 16) | (b3 << 24);
-            }
+    const u32 group_step = 1;
 #endif
+    const u32 warps_total = gridDim.x * (blockDim.x >> 5);
+
+    for (u32 row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; row < rows128; row += warps_total) {
+        const bool data_row = row < rows;
+        const bool packed_row = row < rows16;
+        u8* qrow = p.qdata + (u64)row * (cols / 2);
+        u8* srow = p.scales + (u64)(row >> 7) * scale_groups * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4;
+        for (u32 c0 = 0; c0 < lanes_per_row; c0 += 32 * Items) {
+            u32 w[Items][8];
+#pragma unroll
+            for (int i = 0; i < Items; ++i) {
+#if PACK_COALESCED
+                const u32 col_a = (c0 + 32 * i) * 16 + 8 * lane, col_b = col_a + 256;
+                u32 a[4] = {0, 0, 0, 0}, b[4] = {0, 0, 0, 0};
+                if (data_row && col_a < cols) Source::load(s, (i64)row, (i64)col_a, a);
+                if (data_row && col_b < cols) Source::load(s, (i64)row, (i64)col_b, b);
+                const bool odd = lane & 1;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const u32 received = __shfl_xor_sync(0xFFFFFFFFu, odd ? a[j] : b[j], 1);
+                    w[i][j] = odd ? received : a[j];
+                    w[i][4 + j] = odd ? b[j] : received;
+                }
+#else
+                const u32 col = (c0 + 32 * i + lane) * 16;
+                if (data_row && col < cols) {
+                    Source::load(s, (i64)row, (i64)col, w[i]);
+                    Source::load(s, (i64)row, (i64)col + 8, w[i] + 4);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) w[i][j] = 0;
+                }
+#endif
+            }
+#pragma unroll
+            for (int i = 0; i < Items; ++i) {
+                const u32 c = c0 + 32 * i + lane_block;
+                const u32 col = c * 16;
+                u32 block_scale, lo, hi;
+                quantize_block16(w[i], g, block_scale, lo, hi);
+                const bool in_cols = col < cols;
+                u32 scale_byte = (in_cols && packed_row) ? block_scale : 0u;
+                u32 b1 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + group_step);
+                u32 b2 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 2 * group_step);
+                u32 b3 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 3 * group_step);
+                if (c >= lanes_per_row) continue;
+                if (packed_row && in_cols) {
+                    asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(qrow + col / 2), "r"(lo), "r"(hi) : "memory");
+                }
+#ifndef PACK_SKIP_SCALE_STORE
+                if (lane == group_leader) {
+                    *reinterpret_cast<u32*>(srow + (c >> 2) * 512) = scale_byte | (b1 << 8) | (b2 << 16) | (b3 << 24);
+                }
+#endif
+            }
         }
     }
 }
@@ -374,9 +389,9 @@ __device__ __forceinline__ void gated_residual_body(const GatedResidualParams& p
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_plain(const AbsmaxParams p) { absmax_body<PlainSource, PLAIN_ITEMS>(p); }
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_modulate(const AbsmaxParams p) { absmax_body<ModulateSource, ITEMS>(p); }
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_swiglu(const AbsmaxParams p) { absmax_swiglu_body(p); }
-extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_pack_plain(const PackParams p) { pack_body<PlainSource, PLAIN_ITEMS>(p); }
-extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_pack_modulate(const PackParams p) { pack_body<ModulateSource, ITEMS>(p); }
-extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_pack_swiglu(const PackParams p) { pack_body<SwigluSource, ITEMS>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_plain(const PackParams p) { pack_body<PlainSource, PLAIN_ITEMS>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_modulate(const PackParams p) { pack_body<ModulateSource, ITEMS>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_swiglu(const PackParams p) { pack_body<SwigluSource, ITEMS>(p); }
 // One CTA per SM (the table takes 128 KB of shared memory); kernels/ops.py launches it where that fits.
 extern "C" __global__ void __launch_bounds__(SILU_TABLE_THREADS, 1) nvfp4_pack_swiglu_table(const PackParams p) {
     for (u32 i = threadIdx.x; i < 65536 / 8; i += blockDim.x) {

@@ -60,8 +60,8 @@ class _GatedResidualParams(ctypes.Structure):
 
 
 # Launch shape; must match the defaults in nvfp4_pack.cu. TUNING_DEFINES overrides both (benchmarks only).
-DEFAULT_TUNING = {"PACK_THREADS": 256, "ABSMAX_THREADS": 512, "ITEMS": 1, "PLAIN_ITEMS": 4,
-                  "ABSMAX_CTAS_PER_SM": 4, "PACK_CTAS_PER_SM": 4, "SILU_TABLE_THREADS": 512, "SILU_TABLE": 1}
+DEFAULT_TUNING = {"PACK_THREADS": 256, "ABSMAX_THREADS": 512, "ITEMS": 1, "ABSMAX_CTAS_PER_SM": 4,
+                  "SILU_TABLE_THREADS": 512, "SILU_TABLE": 1}
 RESIDUAL_THREADS = 256
 TUNING_DEFINES: tuple = ()
 
@@ -268,14 +268,11 @@ def pack_nvfp4(
     else:
         global_scale = static_scale.reshape(1)
     kernel, threads, shared = f"nvfp4_pack_{variant}", tuning["PACK_THREADS"], 0
-    ctas_per_sm = tuning["PACK_CTAS_PER_SM"]
+    grid = max(1, min(-(-rows128 // (threads // 32)), mod.sm_count * 64))  # one warp per row
     if variant == "swiglu" and tuning["SILU_TABLE"] and _silu_table_fits(mod):
         src.silu_table = silu_table(x.device).data_ptr()
         kernel, threads, shared = "nvfp4_pack_swiglu_table", tuning["SILU_TABLE_THREADS"], SILU_TABLE_SHARED_BYTES
-        ctas_per_sm = 1
-    items = tuning["PLAIN_ITEMS"] if variant == "plain" else tuning["ITEMS"]
-    warp_chunks = -(-rows128 * groups * 4 // (32 * items))  # 16-blocks, 32 * items per warp and step
-    grid = max(1, min(-(-warp_chunks // (threads // 32)), mod.sm_count * ctas_per_sm))  # persistent warps
+        grid = max(1, min(-(-rows128 // (threads // 32)), mod.sm_count))  # one CTA per SM, persistent
     params = _PackParams(src, global_scale.data_ptr(), qdata.data_ptr(), scales.view(torch.uint8).data_ptr(),
                          rows16, rows128, groups)
     mod.launch(kernel, grid, threads, params, stream, shared_bytes=shared)
