@@ -27,14 +27,12 @@ ROWS = 37810
 # how much of the time is the E2M1 conversion or the scale stores.
 VARIANTS = {
     "default": (),
-    "coalesced_loads": (("PACK_COALESCED", "1"),),
     "plain_no_allocate": (("PLAIN_LOAD_NO_ALLOCATE", "1"),),
     "plain_items2": (("PLAIN_ITEMS", "2"),),
     "items2": (("ITEMS", "2"),),
     "pack_threads128": (("PACK_THREADS", "128"),),
     "pack_threads512": (("PACK_THREADS", "512"),),
     "silu_formula": (("SILU_TABLE", "0"),),
-    "silu_table_256": (("SILU_TABLE_THREADS", "256"),),
     "e2m1_value_at_a_time": (("E2M1_SW_IMPL", "3"),),
     "probe_no_e2m1": (("E2M1_SW_IMPL", "9"),),
     "probe_no_scale_store": (("PACK_SKIP_SCALE_STORE", "1"),),

@@ -23,7 +23,9 @@
 // scale, 8 bytes of codes); lane 0 of each 4-lane group gathers the group's 4 scale bytes with three shuffles
 // and stores them as one word. Items blocks per lane are in flight to cover HBM latency. Rows cover
 // [0, roundup(roundup(M,16),128)): rows in [M, roundup(M,16)) are packed from zeros (as comfy-kitchen pads
-// them), rows beyond only get zero scales. (Splitting a block over two lanes measured slower on the H200.)
+// them), rows beyond only get zero scales. Measured slower on the H200 (benchmarks/README.md): splitting a block
+// over two lanes for 512-byte coalesced loads (+17% at K=5376), and persistent warps walking the flat block list
+// across row ends (+34%).
 //
 // Requirements checked on the host (kernels/ops.py): K % 16 == 0, 16-byte aligned rows and tables.
 #include "nvfp4_common.cuh"
@@ -92,10 +94,6 @@ struct GatedResidualParams {
 
 // 0: the plain pack's loads go through L1: each lane reads 32 contiguous bytes in two 16-byte loads, and the
 // second load of each sector hits L1 (measured 12% faster on the H200 than L1::no_allocate).
-// 1: coalesced 512-byte loads and a neighbour swap (tuning candidate), 0: each lane loads its own block.
-#ifndef PACK_COALESCED
-#define PACK_COALESCED 0
-#endif
 #ifndef PLAIN_LOAD_NO_ALLOCATE
 #define PLAIN_LOAD_NO_ALLOCATE 0
 #endif
@@ -283,18 +281,7 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
     const u32 scale_groups = (u32)p.groups;
     const float g = p.global_scale[0];
     const u32 lane = threadIdx.x & 31;
-#if PACK_COALESCED
-    // Each 16-byte load instruction of the warp reads 512 contiguous bytes: lane l reads values 8l..8l+7 of
-    // both halves of a 32-block chunk, then neighbours swap one half each, so that even lanes hold blocks 0-15
-    // and odd lanes blocks 16-31. A scale group (4 consecutive blocks) sits on lanes 2 apart.
-    const u32 lane_block = (lane >> 1) + 16 * (lane & 1);
-    const u32 group_leader = lane & ~6u;
-    const u32 group_step = 2;
-#else
-    const u32 lane_block = lane;
     const u32 group_leader = lane & ~3u;
-    const u32 group_step = 1;
-#endif
     const u32 warps_total = gridDim.x * (blockDim.x >> 5);
 
     for (u32 row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; row < rows128; row += warps_total) {
@@ -306,19 +293,6 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
             u32 w[Items][8];
 #pragma unroll
             for (int i = 0; i < Items; ++i) {
-#if PACK_COALESCED
-                const u32 col_a = (c0 + 32 * i) * 16 + 8 * lane, col_b = col_a + 256;
-                u32 a[4] = {0, 0, 0, 0}, b[4] = {0, 0, 0, 0};
-                if (data_row && col_a < cols) Source::load(s, (i64)row, (i64)col_a, a);
-                if (data_row && col_b < cols) Source::load(s, (i64)row, (i64)col_b, b);
-                const bool odd = lane & 1;
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const u32 received = __shfl_xor_sync(0xFFFFFFFFu, odd ? a[j] : b[j], 1);
-                    w[i][j] = odd ? received : a[j];
-                    w[i][4 + j] = odd ? b[j] : received;
-                }
-#else
                 const u32 col = (c0 + 32 * i + lane) * 16;
                 if (data_row && col < cols) {
                     Source::load(s, (i64)row, (i64)col, w[i]);
@@ -327,19 +301,18 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
 #pragma unroll
                     for (int j = 0; j < 8; ++j) w[i][j] = 0;
                 }
-#endif
             }
 #pragma unroll
             for (int i = 0; i < Items; ++i) {
-                const u32 c = c0 + 32 * i + lane_block;
+                const u32 c = c0 + 32 * i + lane;
                 const u32 col = c * 16;
                 u32 block_scale, lo, hi;
                 quantize_block16(w[i], g, block_scale, lo, hi);
                 const bool in_cols = col < cols;
                 u32 scale_byte = (in_cols && packed_row) ? block_scale : 0u;
-                u32 b1 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + group_step);
-                u32 b2 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 2 * group_step);
-                u32 b3 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 3 * group_step);
+                u32 b1 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 1);
+                u32 b2 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 2);
+                u32 b3 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 3);
                 if (c >= lanes_per_row) continue;
                 if (packed_row && in_cols) {
                     asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(qrow + col / 2), "r"(lo), "r"(hi) : "memory");
