@@ -14,7 +14,8 @@ other boundaries, bytes of intermediates).
 On a machine without a GPU it runs the same comparison at a small width on the CPU (Python reference backend)
 and reports parity and wall times only.
 
-Usage: python benchmarks/profile_block.py [--out benchmarks/h200-block-profile.json] [--tokens 37810]
+Usage: python benchmarks/profile_block.py [--out benchmarks/h200-block-profile.json] [--tokens-video 37296]
+                                         [--attention pytorch|sage]
 """
 
 from __future__ import annotations
@@ -127,7 +128,17 @@ def time_arm(fn, reps, prepare=lambda: None):
     return times
 
 
+MARKER = "spin_kernel"  # torch.cuda._sleep: brackets SageAttention's kernels (tests/h3_mirror.py, profiling only)
+LAYOUT_COPY_WORDS = ("transpose", "permute", "copy", "pad")
+
+
 def kernel_profile(fn, prepare=lambda: None):
+    """One call of ``fn`` under torch.profiler: (launches, per-category dict, timeline, attention internals).
+
+    Categories come from kernel names, with three rules on the sequence: a cuBLAS/cuDNN workspace memset counts
+    with the library call that follows it; a GEMM right after NVFP4 dequantize launches is the emulated NVFP4
+    GEMM (sm_90); kernels between two marker launches are SageAttention's internals (listed, layout copies
+    flagged, counted as attention)."""
     from torch.profiler import ProfilerActivity, profile
 
     prepare()
@@ -137,31 +148,49 @@ def kernel_profile(fn, prepare=lambda: None):
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         fn()
         torch.cuda.synchronize()
-    per_cat: dict[str, dict] = {}
-    launches = 0
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    kernels = []  # [category, name, ms]
+    inside_attention = False
+    internals = []
+    for e in events:
+        if MARKER in e.name:
+            inside_attention = not inside_attention
+            continue
+        ms = e.device_time_total / 1e3 if hasattr(e, "device_time_total") else e.cuda_time_total / 1e3
+        if inside_attention:
+            internals.append({"kernel": e.name[:120], "ms": round(ms, 4),
+                              "layout_copy": any(w in e.name.lower() for w in LAYOUT_COPY_WORDS)})
+            kernels.append(["attention", e.name, ms])
+        else:
+            kernels.append([categorize(e.name), e.name, ms])
     library_memsets = 0
-    timeline = []
-    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
-                    key=lambda e: e.time_range.start)
-    for i, e in enumerate(events):
-        cat = categorize(e.name)
-        if cat == "fill" and "Memset" in e.name and i + 1 < len(events):
+    for i, k in enumerate(kernels):
+        if k[0] == "fill" and "Memset" in k[1] and i + 1 < len(kernels) and kernels[i + 1][0] in ("gemm", "attention"):
             # cuBLAS and cuDNN clear their workspace right before their kernel: count it with the library call.
-            nxt = categorize(events[i + 1].name)
-            if nxt in ("gemm", "attention"):
-                cat = nxt
-                library_memsets += 1
-        timeline.append(f"{cat}: {e.name[:90]}")
+            k[0] = kernels[i + 1][0]
+            library_memsets += 1
+    for i, k in enumerate(kernels):
+        if k[0] != "gemm" or "Memset" in k[1]:
+            continue
+        j = i - 1
+        while j >= 0 and kernels[j][0] == "gemm" and "Memset" in kernels[j][1]:
+            j -= 1
+        if j >= 0 and kernels[j][0] == "emulation_dequant":
+            for m in range(j + 1, i + 1):
+                kernels[m][0] = "emulation_gemm"
+    per_cat: dict[str, dict] = {}
+    timeline = []
+    for cat, name, ms in kernels:
+        timeline.append(f"{cat}: {name[:90]}")
         slot = per_cat.setdefault(cat, {"launches": 0, "ms": 0.0, "kernels": set()})
         slot["launches"] += 1
-        slot["ms"] += e.device_time_total / 1e3 if hasattr(e, "device_time_total") else e.cuda_time_total / 1e3
-        slot["kernels"].add(e.name[:120])
-        launches += 1
+        slot["ms"] += ms
+        slot["kernels"].add(name[:120])
     for slot in per_cat.values():
         slot["kernels"] = sorted(slot["kernels"])
         slot["ms"] = round(slot["ms"], 4)
     per_cat["library_workspace_memsets"] = {"launches": library_memsets, "ms": 0.0, "kernels": []}
-    return launches, per_cat, timeline
+    return len(kernels), per_cat, timeline, internals
 
 
 def intermediate_bytes(rows: int, dims: dict, arm: str) -> dict:
@@ -193,20 +222,28 @@ def sections(launches, cats, block_ms, rows, dims, arm):
     def n(*names):
         return sum(cats.get(n, {}).get("launches", 0) for n in names)
 
-    excluded = ("gemm", "attention", "emulation_dequant", "library_workspace_memsets")
+    excluded = ("gemm", "attention", "emulation_dequant", "emulation_gemm", "library_workspace_memsets")
     other_ms = round(sum(v["ms"] for k, v in cats.items() if k not in excluded), 4)
+    emulated_gemms = sum(1 for k in cats.get("emulation_gemm", {}).get("kernels", []) if "Memset" not in k)
+    excluding = launches - n("attention", "emulation_dequant", "emulation_gemm")
     return {
         "block_ms_median": round(block_ms, 3),
         "capture": {
             "tool": "torch.profiler (CUDA activity), one warmed block",
             "kernel_launches": launches,
-            "kernel_launches_excluding_attention_and_emulation": launches - n("attention", "emulation_dequant"),
+            "kernel_launches_excluding_attention_and_emulation": excluding,
             "cublas_cudnn_workspace_memsets_included_above": n("library_workspace_memsets"),
+            "note": "emulation = NVFP4 dequantize launches and the bf16 GEMMs (with their cuBLAS workspace "
+                    "memsets) that consume them; a GPU with FP4 tensor cores runs one NVFP4 GEMM per projection "
+                    "instead" if n("emulation_gemm") else "no emulation on this GPU",
         },
-        "gemm": {"launches": n("gemm"), "ms": ms("gemm"), "emulation_dequant_launches": n("emulation_dequant"),
+        "gemm": {"launches": n("gemm"), "ms": ms("gemm"),
+                 "emulated_nvfp4_gemm_launches": n("emulation_gemm"), "emulated_nvfp4_gemm_ms": ms("emulation_gemm"),
+                 "emulation_dequant_launches": n("emulation_dequant"),
                  "emulation_dequant_ms": ms("emulation_dequant")},
         "attention": {"launches": n("attention"), "ms": ms("attention")},
-        "non_gemm_non_attention": {"launches": launches - n("gemm", "attention", "emulation_dequant"), "ms": other_ms},
+        "non_gemm_non_attention": {"launches": launches - n("gemm", "attention", "emulation_dequant", "emulation_gemm"),
+                                   "ms": other_ms},
         "component1_residual": {
             "modulation_launches": n("mul", "add") if arm == "stock" else 0,
             "modulation_ms": ms("mul", "add") if arm == "stock" else 0.0,
@@ -235,7 +272,13 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--tokens-video", type=int, default=VIDEO)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--attention", choices=("pytorch", "sage"), default="pytorch",
+                        help="ComfyUI's global attention backend in both arms (sage: --use-sage-attention)")
     args = parser.parse_args()
+    if args.attention == "sage":
+        import sageattention  # noqa: F401  (benchmarks/build_sageattention.sh)
+
+        mirror.GLOBAL_ATTENTION["function"] = mirror.sage_attention
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     out_path = pathlib.Path(args.out or ROOT / "benchmarks" / ("block-profile.json" if cuda else "block-profile-cpu.json"))
@@ -276,12 +319,15 @@ def main():
 
     result = {
         "benchmark": "one MiniMax H3 DiTBlock, ComfyUI stock path vs fused NVFP4 path",
-        "command": "python benchmarks/profile_block.py" + (f" --out {args.out}" if args.out else ""),
+        "command": "python benchmarks/profile_block.py" + (f" --out {args.out}" if args.out else "")
+        + (f" --attention {args.attention}" if args.attention != "pytorch" else ""),
         "device": device_info() if cuda else {"name": "cpu", "torch": torch.__version__},
         "workload": {
             "resolution": [1344, 768], "frames": 124, "packed_tokens": rows, "segments": len(inputs[2]),
             "hidden": dims["hidden"], "heads": dims["heads"], "ffn": dims["ffn"], "seed": SEED,
-            "attention": "pytorch SDPA (ComfyUI's pytorch backend)",
+            "attention": {"pytorch": "pytorch SDPA (ComfyUI's pytorch backend)",
+                          "sage": "SageAttention 2 (ComfyUI's sage backend): stock head-major call (HND), fused "
+                                  "token-major call (NHD)"}[args.attention],
             "gemm": (gemm_mode(x.device) if cuda else "emulated") + (
                 "" if cuda and gemm_mode(x.device) == "nvfp4" else
                 ": no FP4 tensor cores, NVFP4 GEMM emulated in BOTH arms by dequantize + bf16 matmul"),
@@ -295,15 +341,23 @@ def main():
     }
     if cuda:
         result["copy_bandwidth_gbs_read_plus_write"] = copy_bandwidth_gbs()
+        mirror.SAGE_PROFILE_MARKERS = args.attention == "sage"
         for arm, fn in (("stock", stock_arm), ("fused", fused_arm)):
-            launches, cats, timeline = kernel_profile(fn, reset)
+            launches, cats, timeline, internals = kernel_profile(fn, reset)
             result[arm] = sections(launches, cats, med[arm], rows, dims, arm)
             result[arm]["kernel_sequence"] = timeline
+            if internals:
+                result[arm]["attention_internals"] = {
+                    "kernels": internals,
+                    "layout_copies_inside_attention_library": [k["kernel"] for k in internals if k["layout_copy"]],
+                }
+        mirror.SAGE_PROFILE_MARKERS = False
         s, f = result["stock"], result["fused"]
         for arm in ("stock", "fused"):
             r = result[arm]
             r["block_ms_without_gemm_and_emulation"] = round(
-                r["block_ms_median"] - r["gemm"]["ms"] - r["gemm"]["emulation_dequant_ms"], 3)
+                r["block_ms_median"] - r["gemm"]["ms"] - r["gemm"]["emulated_nvfp4_gemm_ms"]
+                - r["gemm"]["emulation_dequant_ms"], 3)
         result["summary"] = {
             "non_gemm_non_attention_ms": {"stock": s["non_gemm_non_attention"]["ms"],
                                           "fused": f["non_gemm_non_attention"]["ms"]},
@@ -311,6 +365,12 @@ def main():
             "launches_excluding_attention_and_emulation": {
                 "stock": s["capture"]["kernel_launches_excluding_attention_and_emulation"],
                 "fused": f["capture"]["kernel_launches_excluding_attention_and_emulation"]},
+            # With FP4 tensor cores each NVFP4 projection is one GEMM launch instead of its emulation.
+            "launches_excluding_attention_with_native_fp4_gemm": {
+                arm: result[arm]["capture"]["kernel_launches_excluding_attention_and_emulation"]
+                + (4 if result[arm]["gemm"]["emulated_nvfp4_gemm_launches"] else 0) for arm in ("stock", "fused")},
+            "layout_copy_launches": {"stock": s["other_boundaries"]["layout_copy_launches"],
+                                     "fused": f["other_boundaries"]["layout_copy_launches"]},
             "intermediate_bytes_ratio": f["nvfp4"]["intermediate_bytes_across_four_projections"]["total"]
             / s["nvfp4"]["intermediate_bytes_across_four_projections"]["total"],
         }
@@ -324,6 +384,8 @@ def main():
         print(f"non-GEMM non-attention ms: stock {sm['non_gemm_non_attention_ms']['stock']:.3f}  "
               f"fused {sm['non_gemm_non_attention_ms']['fused']:.3f}  x{sm['non_gemm_non_attention_speedup']:.2f}")
         print(f"launches (excl. attention+emulation): {sm['launches_excluding_attention_and_emulation']}  "
+              f"with a native FP4 GEMM: {sm['launches_excluding_attention_with_native_fp4_gemm']}  "
+              f"layout copies: {sm['layout_copy_launches']}  "
               f"intermediate bytes fused/stock: {sm['intermediate_bytes_ratio']:.3f}")
     print(f"JSON: {out_path}")
     return 0 if differing == 0 else 1

@@ -10,8 +10,20 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export H3_FUSED_NVFP4_CACHE=${H3_FUSED_NVFP4_CACHE:-/tmp/h3_fused_nvfp4_cache}
+# SAGE=1: build SageAttention from .third_party/SageAttention first (benchmarks/build_sageattention.sh), so the
+# sage tests run and profile_block can take --attention sage.
+if [[ "${SAGE:-0}" == 1 ]] && OUT="$OUT" bash benchmarks/build_sageattention.sh; then
+  export PYTHONPATH=$PWD/.third_party/SageAttention${PYTHONPATH:+:$PYTHONPATH}
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -m pytest ${PYTEST_PATHS:-tests} -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -40
-for script in ${BENCHMARKS:-bench_pack}; do
-  python3 "benchmarks/$script.py" --out "$OUT/h200-${script#bench_}.json" 2>&1 | tee "$OUT/$script.log" | tail -15
+# BENCHMARKS: script names without .py, each optionally with arguments after a colon, comma-separated
+# (profile_block:--attention,sage writes h200-profile_block-attention-sage.json).
+for entry in ${BENCHMARKS:-bench_pack}; do
+  name=${entry%%:*}; args=""; tag=${name#bench_}
+  if [[ "$entry" == *:* ]]; then
+    args=${entry#*:}; args=${args//,/ }
+    tag="$tag$(echo " $args" | tr -s ' -' '-')"
+  fi
+  python3 "benchmarks/$name.py" $args --out "$OUT/h200-$tag.json" 2>&1 | tee "$OUT/$tag.log" | tail -15
 done

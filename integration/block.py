@@ -15,8 +15,11 @@ So the modulated activations and the [S, 14336] SwiGLU product are never written
 stays as ComfyUI has it: q/k/v remain views of qkv_proj's output, RMSNorm + RoPE runs in place on them
 (``FusedAttention``: a bit-identical kernel instead of comfy-kitchen's, one pass instead of two), attention is
 ComfyUI's ``optimized_attention`` (the user's backend, overrides and sparse attention included), and out_proj's
-pack reads whatever layout attention returned. No layout copy is made here; with PyTorch attention there is
-none at all, with SageAttention its HND path copies inside SageAttention and ComfyUI's wrapper.
+pack reads whatever layout attention returned. No layout copy is made here. Attention gets token-major
+``[1, S, H*D]`` views (``skip_reshape=False``) unless another node installed an attention override (then the
+stock head-major call): PyTorch attention sees the same views as stock and copies nothing; SageAttention runs its
+NHD path, whose output is out_proj's input as is (stock H3 takes the HND path: ComfyUI then copies the output back
+to token-major, and SageAttention quantizes from head-major views).
 
 Synchronization of the global scale: each NVFP4 input's amax is produced by the reduction kernel of that
 layer (last CTA writes g and alpha to device memory) and consumed by the pack kernel and the GEMM that follow on
@@ -153,11 +156,21 @@ class FusedAttention:
 
             ck.rms_rope_split_half_(q, k, rope_freqs, qw, kw, epsilon=attn.q_norm.eps, rot_dim=rot)
         boxes = self.container or (lambda t: t)
-        q = boxes(q[0].transpose(0, 1).unsqueeze(0))
-        k = boxes(k[0].transpose(0, 1).unsqueeze(0))
-        v = boxes(v.transpose(0, 1).unsqueeze(0))
-        out = self.attention_function(q, k, v, heads, preferred_attention=getattr(attn, "comfy_attention", None),
-                                      mask=None, skip_reshape=True, transformer_options=transformer_options)
+        preferred = getattr(attn, "comfy_attention", None)
+        if (transformer_options or {}).get("optimized_attention_override") is None:
+            # Token-major [1, S, H*D] views (ComfyUI's usual calling convention, skip_reshape=False): every backend
+            # reshapes them itself without a copy. SageAttention then runs its NHD path and returns [1, S, H, D],
+            # which is out_proj's input as is; PyTorch SDPA receives the same [1, H, S, D] views as stock.
+            inner = heads * head_dim
+            q, k, v = (boxes(t.view(1, s, inner)) for t in (q, k, v))
+            out = self.attention_function(q, k, v, heads, preferred_attention=preferred, mask=None,
+                                          skip_reshape=False, transformer_options=transformer_options)
+        else:  # another node's override gets exactly the stock call (head-major views, skip_reshape=True)
+            q = boxes(q[0].transpose(0, 1).unsqueeze(0))
+            k = boxes(k[0].transpose(0, 1).unsqueeze(0))
+            v = boxes(v.transpose(0, 1).unsqueeze(0))
+            out = self.attention_function(q, k, v, heads, preferred_attention=preferred, mask=None,
+                                          skip_reshape=True, transformer_options=transformer_options)
         return attn.out_proj(out.squeeze(0))
 
 

@@ -235,6 +235,39 @@ def sdpa_attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=
     return out.transpose(1, 2).reshape(b, -1, heads * dim_head)
 
 
+def sage_attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,
+                   **kwargs):
+    """ComfyUI's ``attention_sage`` (``--use-sage-attention``): head-major views with ``skip_reshape=True`` run
+    SageAttention's HND path and copy the output back to token-major; token-major input runs its NHD path."""
+    from sageattention import sageattn
+
+    if skip_reshape:
+        b, _, _, dim_head = q.shape
+        tensor_layout = "HND"
+    else:
+        b, _, dim_head = q.shape
+        dim_head //= heads
+        q, k, v = (t.view(b, -1, heads, dim_head) for t in (q, k, v))
+        tensor_layout = "NHD"
+    if SAGE_PROFILE_MARKERS:
+        torch.cuda._sleep(1)  # marker kernel: benchmarks/profile_block.py files what follows as attention internals
+    out = sageattn(q, k, v, attn_mask=mask, is_causal=False, tensor_layout=tensor_layout)
+    if SAGE_PROFILE_MARKERS:
+        torch.cuda._sleep(1)
+    if tensor_layout == "HND":
+        return out if skip_output_reshape else out.transpose(1, 2).reshape(b, -1, heads * dim_head)
+    return out.transpose(1, 2) if skip_output_reshape else out.reshape(b, -1, heads * dim_head)
+
+
+SAGE_PROFILE_MARKERS = False
+# The global backend ComfyUI picks at start-up (pytorch by default, sage with --use-sage-attention).
+GLOBAL_ATTENTION = {"function": sdpa_attention}
+
+
+def global_attention():
+    return GLOBAL_ATTENTION["function"]
+
+
 class MirrorComfyAttention:
     """ComfyUI's ``ComfyAttention``: ``function`` is a per-layer backend chosen by the checkpoint (None = global)."""
 
@@ -246,7 +279,7 @@ def optimized_attention(q, k, v, heads, mask=None, skip_reshape=False, transform
                         preferred_attention=None, **kwargs):
     """ComfyUI's ``optimized_attention`` as H3 imports it: an override in transformer_options gets the
     undecorated backend first; otherwise the layer's preferred backend, otherwise the global one (SDPA here)."""
-    fn = sdpa_attention
+    fn = global_attention()
     override = transformer_options.get("optimized_attention_override") if transformer_options else None
     if override is not None:
         return override(fn, q, k, v, heads, mask=mask, skip_reshape=skip_reshape,
