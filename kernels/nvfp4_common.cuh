@@ -128,18 +128,27 @@ struct BlockScale {
     float encode;   // multiplier applied to each element before the E2M1 conversion
 };
 
-// Block scale and encode multiplier from the block absmax (bf16 bits) and the global decode scale g.
-NVFP4_DEVICE BlockScale block_scale_from_absmax(u16 absmax_bf16, float g) {
+// The global scale's reciprocal, once per kernel: comfy-kitchen's d = (a / 6) / g compiles to a multiply by
+// rcp.approx.ftz(g) (div.approx.ftz is exactly that: MUFU.RCP, then FMUL.FTZ).
+NVFP4_DEVICE float rcp_approx_ftz(float g) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(g));
+    return r;
+}
+
+// Block scale and encode multiplier from the block absmax (bf16 bits), the global decode scale g and its
+// reciprocal rcp_approx_ftz(g).
+NVFP4_DEVICE BlockScale block_scale_from_absmax(u16 absmax_bf16, float g, float rcp_g) {
     BlockScale out;
     float a = bf16_to_f32(absmax_bf16);
     float d, s;
     u16 packed;
     u32 halves;
     asm("{ .reg .f32 t;\n"
-        "  div.approx.ftz.f32 t, %1, 0f40C00000;\n"  // / 6.0
-        "  div.approx.ftz.f32 t, t, %2;\n"           // / g
+        "  div.approx.ftz.f32 t, %1, 0f40C00000;\n"  // / 6.0 (a multiply by 0x3E2AAAAB)
+        "  mul.ftz.f32 t, t, %2;\n"                 // * rcp(g)
         "  min.ftz.f32 %0, t, 0f43E00000; }"         // min(., 448)
-        : "=f"(d) : "f"(a), "f"(g));
+        : "=f"(d) : "f"(a), "f"(rcp_g));
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(packed) : "f"(0.0f), "f"(d));
     packed &= 0xFF;
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(packed));
@@ -238,7 +247,7 @@ NVFP4_DEVICE u32 encode8(const u32 w[4], float e) {
 // E2M1 codes of two magnitudes v0, v1 (fp32 >= 0 or +inf, never NaN) in bf16x2 arithmetic, two values per
 // instruction (used on GPUs without the E2M1 instruction). Returns the bf16x2 pair 128 + code (code in bits 0-2 and 16-18, 0x43 in bytes 1 and 3).
 //   1. Round to odd into bf16: truncate to the high half and set its last bit if any dropped bit was set
-//      ("+ 0xFFFF" carries into bit 16 exactly then). A value rounded to odd with at least two more bits than
+//      (min(dropped 16 bits, 1) per half). A value rounded to odd with at least two more bits than
 //      the target rounds to nearest even exactly like the original; bf16 keeps >= 6 more bits than the E2M1
 //      grid anywhere the grid is finer than 2^-1, and ties (0.25, 0.75, ..., 5) are bf16 values, kept as is.
 //   2. Clamp to 6 (the saturation value; inf -> 6).
@@ -248,9 +257,8 @@ NVFP4_DEVICE u32 encode8(const u32 w[4], float e) {
 //      rne of the term and ties go to the even code.
 NVFP4_DEVICE u32 e2m1_magnitude_codes_x2(float v0, float v1) {
     const u32 b0 = __float_as_uint(v0), b1 = __float_as_uint(v1);
-    const u32 truncated = __byte_perm(b0, b1, 0x7632);
-    const u32 bumped = __byte_perm(b0 + 0xFFFFu, b1 + 0xFFFFu, 0x7632);
-    u32 y = truncated | ((truncated ^ bumped) & 0x00010001u);       // round to odd
+    const u32 truncated = __byte_perm(b0, b1, 0x7632), dropped = __byte_perm(b0, b1, 0x5410);
+    u32 y = truncated | __vminu2(dropped, 0x00010001u);              // round to odd: last bit |= any dropped bit
     y = bf16x2_min(y, 0x40C040C0u);                                  // min(., 6)
     const u32 fine = bf16x2_fma(y, 0x40004000u, 0x43004300u);        // 2y    + 128
     const u32 mid = bf16x2_fma(y, BF16X2_ONE, 0x43024302u);          // y     + 130
@@ -273,7 +281,7 @@ NVFP4_DEVICE u32 encode8_no_nan(const u32 w[4], const u32 a[4], float e) {
 }
 
 // One 16-value block (8 words): block scale byte and 16 codes (lo: values 0-7, hi: values 8-15).
-NVFP4_DEVICE void quantize_block16(const u32 w[8], float g, u32& scale_byte, u32& lo, u32& hi) {
+NVFP4_DEVICE void quantize_block16(const u32 w[8], float g, float rcp_g, u32& scale_byte, u32& lo, u32& hi) {
 #if !defined(NVFP4_HW_E2M1) && E2M1_SW_IMPL == 4
     // |x| bit patterns order like magnitudes, with NaN above inf: an integer max finds the block absmax and
     // tells whether the block holds a NaN. Without one it equals the NaN-skipping bf16 max of the reference.
@@ -284,7 +292,7 @@ NVFP4_DEVICE void quantize_block16(const u32 w[8], float g, u32& scale_byte, u32
                            __vmaxu2(__vmaxu2(a[4], a[5]), __vmaxu2(a[6], a[7])));
     const u32 amax = max(m & 0xFFFFu, m >> 16);
     if (amax <= 0x7F80u) {
-        const BlockScale bs = block_scale_from_absmax((u16)amax, g);
+        const BlockScale bs = block_scale_from_absmax((u16)amax, g, rcp_g);
         // The pairwise path needs every x * e to be a non-NaN magnitude with the sign of x: e > 0. (e is 0 when
         // g is inf and the block holds an inf: then inf * 0 is NaN, which converts to +6.)
         if (bs.encode > 0.0f) {
@@ -298,7 +306,7 @@ NVFP4_DEVICE void quantize_block16(const u32 w[8], float g, u32& scale_byte, u32
 #endif
     const u32 mx = bf16x2_max(bf16x2_max(bf16x2_absmax(w[0], w[1]), bf16x2_absmax(w[2], w[3])),
                               bf16x2_max(bf16x2_absmax(w[4], w[5]), bf16x2_absmax(w[6], w[7])));
-    const BlockScale bs = block_scale_from_absmax(bf16x2_hmax(mx), g);
+    const BlockScale bs = block_scale_from_absmax(bf16x2_hmax(mx), g, rcp_g);
     scale_byte = bs.byte;
     lo = encode8(w, bs.encode);
     hi = encode8(w + 4, bs.encode);

@@ -279,7 +279,7 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
     const u32 lanes_per_row = (u32)p.groups * 4;
     const u32 cols = (u32)s.cols, rows = (u32)s.rows, rows16 = (u32)p.rows16, rows128 = (u32)p.rows128;
     const u32 scale_groups = (u32)p.groups;
-    const float g = p.global_scale[0];
+    const float g = p.global_scale[0], rcp_g = rcp_approx_ftz(g);
     const u32 lane = threadIdx.x & 31;
     const u32 group_leader = lane & ~3u;
     const u32 warps_total = gridDim.x * (blockDim.x >> 5);
@@ -304,10 +304,11 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
             }
 #pragma unroll
             for (int i = 0; i < Items; ++i) {
+                if (c0 + 32 * i >= lanes_per_row) break;  // warp-uniform: no block of this row left (row tail)
                 const u32 c = c0 + 32 * i + lane;
                 const u32 col = c * 16;
                 u32 block_scale, lo, hi;
-                quantize_block16(w[i], g, block_scale, lo, hi);
+                quantize_block16(w[i], g, rcp_g, block_scale, lo, hi);
                 const bool in_cols = col < cols;
                 u32 scale_byte = (in_cols && packed_row) ? block_scale : 0u;
                 u32 b1 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 1);
