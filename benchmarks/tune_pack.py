@@ -27,10 +27,12 @@ ROWS = 37810
 # how much of the time is the E2M1 conversion or the scale stores.
 VARIANTS = {
     "default": (),
+    "plain_l2_prefetch": (("PLAIN_LOAD_L2_PREFETCH", "1"),),
+    "store_streaming": (("PACK_STORE_STREAMING", "1"),),
+    "prefetch_and_streaming": (("PLAIN_LOAD_L2_PREFETCH", "1"), ("PACK_STORE_STREAMING", "1")),
     "plain_no_allocate": (("PLAIN_LOAD_NO_ALLOCATE", "1"),),
     "plain_items2": (("PLAIN_ITEMS", "2"),),
     "items2": (("ITEMS", "2"),),
-    "pack_threads128": (("PACK_THREADS", "128"),),
     "pack_threads512": (("PACK_THREADS", "512"),),
     "silu_formula": (("SILU_TABLE", "0"),),
     "e2m1_value_at_a_time": (("E2M1_SW_IMPL", "3"),),

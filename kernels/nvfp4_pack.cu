@@ -97,11 +97,19 @@ struct GatedResidualParams {
 #ifndef PLAIN_LOAD_NO_ALLOCATE
 #define PLAIN_LOAD_NO_ALLOCATE 0
 #endif
+#ifndef PLAIN_LOAD_L2_PREFETCH
+#define PLAIN_LOAD_L2_PREFETCH 0  // tuning candidate: 256-byte L2 prefetch hint on the plain loads
+#endif
+#ifndef PACK_STORE_STREAMING
+#define PACK_STORE_STREAMING 0    // tuning candidate: evict-first (.cs) stores of the packed codes
+#endif
 
 struct PlainSource {
     static __device__ __forceinline__ void load(const SourceParams& p, i64 row, i64 col, u32 w[4]) {
 #if PLAIN_LOAD_NO_ALLOCATE
         u32x4 v = load_16B_stream(p.x + row * p.x_row_stride + col);
+#elif PLAIN_LOAD_L2_PREFETCH
+        u32x4 v = load_16B_prefetch(p.x + row * p.x_row_stride + col);
 #else
         u32x4 v = load_16B(p.x + row * p.x_row_stride + col);
 #endif
@@ -316,7 +324,11 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
                 u32 b3 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 3);
                 if (c >= lanes_per_row) continue;
                 if (packed_row && in_cols) {
+#if PACK_STORE_STREAMING
+                    asm volatile("st.global.cs.v2.u32 [%0], {%1, %2};" :: "l"(qrow + col / 2), "r"(lo), "r"(hi) : "memory");
+#else
                     asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(qrow + col / 2), "r"(lo), "r"(hi) : "memory");
+#endif
                 }
 #ifndef PACK_SKIP_SCALE_STORE
                 if (lane == group_leader) {
