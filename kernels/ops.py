@@ -8,6 +8,8 @@ Public functions (all bit-identical to ComfyUI's stock ops followed by comfy-kit
 * :func:`rms_rope_split_half_` - comfy-kitchen's per-head RMSNorm + split-half RoPE for H3's q/k views, in place.
 * :func:`pack_support`, :func:`rms_rope_support` - ``None`` if the kernel can take these tensors, else the reason
   (callers fall back to ComfyUI's path with that reason instead of raising in the user's graph).
+* :func:`silu_table` - torch's bf16 silu of all 65,536 bf16 values, built once per device; the SwiGLU pack looks
+  silu up in it (from shared memory) where 128 KB of shared memory per CTA is available.
 
 Layouts (must match reference/nvfp4.py and kernels/nvfp4_pack.cu): qdata ``uint8 [roundup(M,16), K/2]``
 with the even element in the high nibble; block scales ``float8_e4m3fn [roundup(roundup(M,16),128),
