@@ -224,7 +224,6 @@ def sections(launches, cats, block_ms, rows, dims, arm):
 
     excluded = ("gemm", "attention", "emulation_dequant", "emulation_gemm", "library_workspace_memsets")
     other_ms = round(sum(v["ms"] for k, v in cats.items() if k not in excluded), 4)
-    emulated_gemms = sum(1 for k in cats.get("emulation_gemm", {}).get("kernels", []) if "Memset" not in k)
     excluding = launches - n("attention", "emulation_dequant", "emulation_gemm")
     return {
         "block_ms_median": round(block_ms, 3),

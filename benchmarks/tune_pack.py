@@ -27,9 +27,6 @@ ROWS = 37810
 # how much of the time is the E2M1 conversion or the scale stores.
 VARIANTS = {
     "default": (),
-    "plain_l2_prefetch": (("PLAIN_LOAD_L2_PREFETCH", "1"),),
-    "store_streaming": (("PACK_STORE_STREAMING", "1"),),
-    "prefetch_and_streaming": (("PLAIN_LOAD_L2_PREFETCH", "1"), ("PACK_STORE_STREAMING", "1")),
     "plain_no_allocate": (("PLAIN_LOAD_NO_ALLOCATE", "1"),),
     "plain_items2": (("PLAIN_ITEMS", "2"),),
     "items2": (("ITEMS", "2"),),

@@ -61,13 +61,6 @@ NVFP4_DEVICE u32x4 load_16B_stream(const void* p) {
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
-// With a 256-byte L2 prefetch hint (tuning candidate for the streaming pack loads).
-NVFP4_DEVICE u32x4 load_16B_prefetch(const void* p) {
-    u32x4 v;
-    asm volatile("ld.global.nc.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
 NVFP4_DEVICE void store_16B(void* p, u32x4 v) {
     asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }

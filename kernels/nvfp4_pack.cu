@@ -97,19 +97,11 @@ struct GatedResidualParams {
 #ifndef PLAIN_LOAD_NO_ALLOCATE
 #define PLAIN_LOAD_NO_ALLOCATE 0
 #endif
-#ifndef PLAIN_LOAD_L2_PREFETCH
-#define PLAIN_LOAD_L2_PREFETCH 0  // tuning candidate: 256-byte L2 prefetch hint on the plain loads
-#endif
-#ifndef PACK_STORE_STREAMING
-#define PACK_STORE_STREAMING 0    // tuning candidate: evict-first (.cs) stores of the packed codes
-#endif
 
 struct PlainSource {
     static __device__ __forceinline__ void load(const SourceParams& p, i64 row, i64 col, u32 w[4]) {
 #if PLAIN_LOAD_NO_ALLOCATE
         u32x4 v = load_16B_stream(p.x + row * p.x_row_stride + col);
-#elif PLAIN_LOAD_L2_PREFETCH
-        u32x4 v = load_16B_prefetch(p.x + row * p.x_row_stride + col);
 #else
         u32x4 v = load_16B(p.x + row * p.x_row_stride + col);
 #endif
@@ -135,6 +127,26 @@ struct ModulateSource {
 };
 
 
+// silu(gate) * up for a word of two gate and two up values, silu evaluated (torch's formula, fp32 product).
+struct SiluEvaluated {
+    static __device__ __forceinline__ u32 times(u32 gate, u32 up) {
+        return pack_bf16x2(__fmul_rn(silu_bf16(bf16_lo(gate)), bf16_lo(up)),
+                           __fmul_rn(silu_bf16(bf16_hi(gate)), bf16_hi(up)));
+    }
+};
+
+// The same with silu looked up: the table (kernels/ops.py builds it with torch's own silu on every bf16 value, so
+// it holds exactly what ComfyUI's silu returns) is copied into shared memory by nvfp4_pack_swiglu_table. Replaces
+// an exp and an IEEE division per value by one shared-memory load.
+extern __shared__ __align__(16) u16 silu_shared[];
+
+struct SiluLookedUp {
+    static __device__ __forceinline__ u32 times(u32 gate, u32 up) {
+        return bf16x2_mul((u32)silu_shared[gate & 0xFFFFu] | ((u32)silu_shared[gate >> 16] << 16), up);
+    }
+};
+
+template <class Silu>
 struct SwigluSource {
     static __device__ __forceinline__ void load(const SourceParams& p, i64 row, i64 col, u32 w[4]) {
         const u16* base = p.x + row * p.x_row_stride + col;
@@ -142,29 +154,7 @@ struct SwigluSource {
         u32x4 u = load_16B_stream(base + p.up_offset);
         const u32 gs[4] = {g.x, g.y, g.z, g.w}, us[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            w[i] = pack_bf16x2(__fmul_rn(silu_bf16(bf16_lo(gs[i])), bf16_lo(us[i])),
-                               __fmul_rn(silu_bf16(bf16_hi(gs[i])), bf16_hi(us[i])));
-        }
-    }
-};
-
-// The same source with silu looked up instead of evaluated: the table (kernels/ops.py builds it with torch's own
-// silu on every bf16 value, so it holds exactly what ComfyUI's silu returns) is copied into shared memory by
-// nvfp4_pack_swiglu_table. Replaces an exp and an IEEE division per value by one shared-memory load.
-extern __shared__ __align__(16) u16 silu_shared[];
-
-struct SwigluTableSource {
-    static __device__ __forceinline__ void load(const SourceParams& p, i64 row, i64 col, u32 w[4]) {
-        const u16* base = p.x + row * p.x_row_stride + col;
-        u32x4 g = load_16B_stream(base);
-        u32x4 u = load_16B_stream(base + p.up_offset);
-        const u32 gs[4] = {g.x, g.y, g.z, g.w}, us[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const u32 silu = (u32)silu_shared[gs[i] & 0xFFFFu] | ((u32)silu_shared[gs[i] >> 16] << 16);
-            w[i] = bf16x2_mul(silu, us[i]);
-        }
+        for (int i = 0; i < 4; ++i) w[i] = Silu::times(gs[i], us[i]);
     }
 };
 
@@ -324,11 +314,7 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
                 u32 b3 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 3);
                 if (c >= lanes_per_row) continue;
                 if (packed_row && in_cols) {
-#if PACK_STORE_STREAMING
-                    asm volatile("st.global.cs.v2.u32 [%0], {%1, %2};" :: "l"(qrow + col / 2), "r"(lo), "r"(hi) : "memory");
-#else
                     asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(qrow + col / 2), "r"(lo), "r"(hi) : "memory");
-#endif
                 }
 #ifndef PACK_SKIP_SCALE_STORE
                 if (lane == group_leader) {
@@ -377,7 +363,7 @@ extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_modula
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_swiglu(const AbsmaxParams p) { absmax_swiglu_body(p); }
 extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_plain(const PackParams p) { pack_body<PlainSource, PLAIN_ITEMS>(p); }
 extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_modulate(const PackParams p) { pack_body<ModulateSource, ITEMS>(p); }
-extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_swiglu(const PackParams p) { pack_body<SwigluSource, ITEMS>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_swiglu(const PackParams p) { pack_body<SwigluSource<SiluEvaluated>, ITEMS>(p); }
 // One CTA per SM (the table takes 128 KB of shared memory); kernels/ops.py launches it where that fits.
 extern "C" __global__ void __launch_bounds__(SILU_TABLE_THREADS, 1) nvfp4_pack_swiglu_table(const PackParams p) {
     for (u32 i = threadIdx.x; i < 65536 / 8; i += blockDim.x) {
@@ -385,6 +371,6 @@ extern "C" __global__ void __launch_bounds__(SILU_TABLE_THREADS, 1) nvfp4_pack_s
         *reinterpret_cast<u32x4*>(silu_shared + 8 * i) = v;
     }
     __syncthreads();
-    pack_body<SwigluTableSource, ITEMS>(p);
+    pack_body<SwigluSource<SiluLookedUp>, ITEMS>(p);
 }
 extern "C" __global__ void __launch_bounds__(256) h3_gated_residual(const GatedResidualParams p) { gated_residual_body(p); }
