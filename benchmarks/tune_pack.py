@@ -23,29 +23,24 @@ from bench_pack import time_ms, warm_up_gpu  # noqa: E402
 from h3_fused_nvfp4.kernels import ops  # noqa: E402
 
 ROWS = 37810
-# Each variant: -D overrides and the way the plain / modulated packs read x (ops.PACK_LOADS).
 # "probe_*" variants are timing probes that compute wrong bytes on purpose (expected to show DIFF): they bound
 # how much of the time is the E2M1 conversion or the scale stores.
 VARIANTS = {
-    "default": ((), "auto"),
-    "direct": ((), "direct"),
-    "stages3": ((("STAGES", "3"),), "auto"),
-    "stages6": ((("STAGES", "6"),), "auto"),
-    "staged_threads128": ((("STAGED_THREADS", "128"),), "auto"),
-    "staged_threads512": ((("STAGED_THREADS", "512"),), "auto"),
-    "stage_blocks256": ((("STAGE_BLOCKS", "256"),), "auto"),
-    "stage_blocks1024": ((("STAGE_BLOCKS", "1024"),), "auto"),
-    "swap_halves": ((("STAGED_SWAP_HALVES", "1"),), "auto"),
-    "silu_formula": ((("SILU_TABLE", "0"),), "auto"),
-    "probe_no_e2m1": ((("E2M1_SW_IMPL", "9"),), "auto"),
-    "probe_no_scale_store": ((("PACK_SKIP_SCALE_STORE", "1"),), "auto"),
+    "default": (),
+    "plain_no_allocate": (("PLAIN_LOAD_NO_ALLOCATE", "1"),),
+    "plain_items2": (("PLAIN_ITEMS", "2"),),
+    "items2": (("ITEMS", "2"),),
+    "pack_threads512": (("PACK_THREADS", "512"),),
+    "silu_formula": (("SILU_TABLE", "0"),),
+    "e2m1_value_at_a_time": (("E2M1_SW_IMPL", "3"),),
+    "probe_no_e2m1": (("E2M1_SW_IMPL", "9"),),
+    "probe_no_scale_store": (("PACK_SKIP_SCALE_STORE", "1"),),
 }
 
 
 def cases():
     torch.manual_seed(440420)
     x5 = (torch.randn(ROWS, 5376, device="cuda") * 2).to(torch.bfloat16)
-    x7 = (torch.randn(ROWS, 7168, device="cuda") * 2).to(torch.bfloat16)
     x14 = (torch.randn(ROWS, 14336, device="cuda") * 2).to(torch.bfloat16)
     y = (torch.randn(ROWS, 28672, device="cuda") * 2).to(torch.bfloat16)
     ada = (torch.randn(6, 6 * 5376, device="cuda") * 0.5).to(torch.bfloat16)
@@ -57,10 +52,8 @@ def cases():
     w2 = torch.tensor([2.5e-4], device="cuda")
     return {
         "plain5376_static": lambda: ops.pack_nvfp4(x5, static_scale=static),
-        "plain7168_static": lambda: ops.pack_nvfp4(x7, static_scale=static),
-        "plain14336_static": lambda: ops.pack_nvfp4(x14, static_scale=static),
         "plain5376_dynamic": lambda: ops.pack_nvfp4(x5, weight_scale_2=w2),
-        "modulate5376_static": lambda: ops.pack_nvfp4(x5, static_scale=static, modulation=mod),
+        "plain14336_dynamic": lambda: ops.pack_nvfp4(x14, weight_scale_2=w2),
         "modulate5376_dynamic": lambda: ops.pack_nvfp4(x5, weight_scale_2=w2, modulation=mod),
         "swiglu14336_dynamic": lambda: ops.pack_nvfp4(y, weight_scale_2=w2, swiglu=True),
     }
@@ -76,8 +69,8 @@ def main():
     results = {}
     samples = {v: {c: [] for c in fns} for v in VARIANTS}
     for rnd in range(3):  # rounds over all variants, so drift in clocks hits every variant alike
-        for vname, (defines, loads) in VARIANTS.items():
-            ops.TUNING_DEFINES, ops.PACK_LOADS = defines, loads
+        for vname, defines in VARIANTS.items():
+            ops.TUNING_DEFINES = defines
             results.setdefault(vname, {})
             for cname, fn in fns.items():
                 if rnd == 0:
@@ -91,13 +84,13 @@ def main():
     for vname in VARIANTS:
         for cname in fns:
             results[vname][cname]["ms"] = statistics.median(samples[vname][cname])
-    ops.TUNING_DEFINES, ops.PACK_LOADS = (), "auto"
-    pathlib.Path(args.out).write_text(json.dumps({"rows": ROWS, "variants": {k: {"defines": list(d), "pack_loads": l} for k, (d, l) in VARIANTS.items()},
+    ops.TUNING_DEFINES = ()
+    pathlib.Path(args.out).write_text(json.dumps({"rows": ROWS, "variants": {k: list(v) for k, v in VARIANTS.items()},
                                                   "results": results}, indent=1))
     names = list(fns)
-    print(f"{'variant':20s}" + "".join(f"{n[:18]:>20s}" for n in names))
+    print(f"{'variant':16s}" + "".join(f"{n[:18]:>20s}" for n in names))
     for vname, row in results.items():
-        print(f"{vname:20s}" + "".join(f"{row[n]['ms']:>14.3f}{'' if row[n]['bit_identical'] else ' DIFF':>6s}" for n in names))
+        print(f"{vname:16s}" + "".join(f"{row[n]['ms']:>14.3f}{'' if row[n]['bit_identical'] else ' DIFF':>6s}" for n in names))
 
 
 if __name__ == "__main__":

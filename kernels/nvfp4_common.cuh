@@ -65,47 +65,6 @@ NVFP4_DEVICE void store_16B(void* p, u32x4 v) {
     asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
-// ---- bulk copies into shared memory (the copy engine of sm_90 and later) ----------------------------------
-// One thread starts an asynchronous global -> shared copy of a whole row segment; an mbarrier counts its bytes
-// and the consumers wait on the barrier's phase. No registers hold data in flight, so the number of bytes in
-// flight is set by the shared-memory stages, not by occupancy.
-
-NVFP4_DEVICE u32 shared_address(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t;\n"
-        "  cvta.to.shared.u64 t, %1;\n"
-        "  cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-NVFP4_DEVICE void mbarrier_init(u32 bar, u32 arrivals) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(arrivals) : "memory");
-}
-// Makes initialized barriers visible to the copy engine (async proxy) and to the other threads.
-NVFP4_DEVICE void mbarrier_init_fence() {
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-// One arrival that also announces `bytes` of copies completing on this barrier's current phase.
-NVFP4_DEVICE void mbarrier_arrive_expect_bytes(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-}
-NVFP4_DEVICE void mbarrier_wait(u32 bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile("{ .reg .pred p;\n"
-                     "  mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "  selp.u32 %0, 1, 0, p; }" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
-// global -> shared, `bytes` a multiple of 16, both addresses 16-byte aligned; completes on `bar`.
-NVFP4_DEVICE void bulk_copy_to_shared(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-// Orders this CTA's earlier shared-memory reads before a following bulk copy overwrites the same bytes.
-NVFP4_DEVICE void fence_shared_before_bulk_copy() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
 // ---- absmax ----------------------------------------------------------------------------------------------
 
 // max.bf16 semantics (comfy-kitchen's __hmax): a NaN operand is ignored, two NaNs give NaN.

@@ -68,11 +68,6 @@ struct PackParams {
     i64 rows16;
     i64 rows128;
     i64 groups;                 // U
-    // Staged kernels only (nvfp4_pack_*_staged): a row is copied into shared memory in segments of
-    // segment_blocks 16-blocks (a multiple of 4, so a scale group never straddles two segments).
-    u32 segment_blocks;
-    u32 segments_per_row;
-    u32 stage_bytes;            // shared memory per stage, >= segment_blocks * 32, a multiple of 128
 };
 
 struct AbsmaxParams {
@@ -103,25 +98,6 @@ struct GatedResidualParams {
 #define PLAIN_LOAD_NO_ALLOCATE 0
 #endif
 
-// 0: each lane reads its 32 staged bytes first half first (a 2-way shared-memory bank conflict per quarter warp);
-// 1: lanes 4-7 of each 8 read the second half first (conflict-free, eight selects to put the halves back).
-#ifndef STAGED_SWAP_HALVES
-#define STAGED_SWAP_HALVES 0
-#endif
-
-__device__ __forceinline__ void load_staged_block(const u8* staged, u32 w[8]) {
-    const u32x4* v = reinterpret_cast<const u32x4*>(staged);
-#if STAGED_SWAP_HALVES
-    const bool swap = (threadIdx.x >> 2) & 1;
-    const u32x4 a = v[swap ? 1 : 0], b = v[swap ? 0 : 1];
-    const u32x4 lo = swap ? b : a, hi = swap ? a : b;
-#else
-    const u32x4 lo = v[0], hi = v[1];
-#endif
-    w[0] = lo.x; w[1] = lo.y; w[2] = lo.z; w[3] = lo.w;
-    w[4] = hi.x; w[5] = hi.y; w[6] = hi.z; w[7] = hi.w;
-}
-
 struct PlainSource {
     static __device__ __forceinline__ void load(const SourceParams& p, i64 row, i64 col, u32 w[4]) {
 #if PLAIN_LOAD_NO_ALLOCATE
@@ -130,11 +106,6 @@ struct PlainSource {
         u32x4 v = load_16B(p.x + row * p.x_row_stride + col);
 #endif
         w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-    }
-    // Staged kernels: one 16-block of x from shared memory (`staged`: its 32 bytes), modulation row m unused.
-    static __device__ __forceinline__ i64 modulation_row(const SourceParams&, i64) { return 0; }
-    static __device__ __forceinline__ void load_staged(const SourceParams&, i64, i64, const u8* staged, u32 w[8]) {
-        load_staged_block(staged, w);
     }
 };
 
@@ -152,17 +123,6 @@ struct ModulateSource {
         for (int i = 0; i < 4; ++i) {
             w[i] = bf16x2_add(bf16x2_mul(xs[i], bf16x2_add(BF16X2_ONE, ss[i])), ts[i]);
         }
-    }
-    static __device__ __forceinline__ i64 modulation_row(const SourceParams& p, i64 row) { return p.mod_index[row]; }
-    static __device__ __forceinline__ void load_staged(const SourceParams& p, i64 m, i64 col, const u8* staged, u32 w[8]) {
-        load_staged_block(staged, w);
-        const u16* sp = p.mod_scale + m * p.mod_row_stride + col;
-        const u16* tp = p.mod_shift + m * p.mod_row_stride + col;
-        const u32x4 s0 = load_16B(sp), s1 = load_16B(sp + 8), t0 = load_16B(tp), t1 = load_16B(tp + 8);
-        const u32 ss[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
-        const u32 ts[8] = {t0.x, t0.y, t0.z, t0.w, t1.x, t1.y, t1.z, t1.w};
-#pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = bf16x2_add(bf16x2_mul(w[i], bf16x2_add(BF16X2_ONE, ss[i])), ts[i]);
     }
 };
 
@@ -366,111 +326,6 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
     }
 }
 
-// ---- staged pack: row segments arrive in shared memory by bulk copy ------------------------------------------
-// Same arithmetic and stores as pack_body; only the way x reaches the registers differs. A persistent CTA walks
-// the row segments (unit = row * segments_per_row + segment) blockIdx.x, + gridDim.x, ...; thread 0 keeps the
-// next STAGES of them in flight as bulk copies into a ring of shared-memory stages, so HBM sees STAGES - 1 whole
-// segments per CTA requested ahead of the arithmetic, independent of how many registers the arithmetic takes.
-// Each 16-block of a segment goes to one thread (4 consecutive lanes share a scale group, as in pack_body).
-// The padding rows [rows, rows128) have nothing to read; the grid zero-fills them after the last segment.
-#ifndef STAGES
-#define STAGES 4
-#endif
-#ifndef STAGED_THREADS
-#define STAGED_THREADS 256
-#endif
-
-extern __shared__ __align__(128) u8 staged_segments[];
-
-template <class Source>
-__device__ __forceinline__ void pack_staged_body(const PackParams& p) {
-    __shared__ __align__(8) u64 stage_full[STAGES];  // phase completes when a stage's segment has landed
-    const SourceParams& s = p.src;
-    const u32 cols = (u32)s.cols, rows = (u32)s.rows, rows16 = (u32)p.rows16, rows128 = (u32)p.rows128;
-    const u32 scale_groups = (u32)p.groups, lanes_per_row = scale_groups * 4;
-    const u32 segments_per_row = p.segment_blocks ? p.segments_per_row : 0, segment_blocks = p.segment_blocks;
-    const u32 units = rows * segments_per_row;
-    const u32 tid = threadIdx.x, lane = tid & 31, group_leader = lane & ~3u;
-    const u32 stages_base = shared_address(staged_segments), full_base = shared_address(stage_full);
-
-    // Thread 0 only: start the copy of `unit` into `stage`. Every segment starts at a multiple of 4 blocks below
-    // lanes_per_row, so it holds at least one input block (only the last group of a row can be padding).
-    auto start_copy = [&](u32 unit, u32 stage) {
-        const u32 row = unit / segments_per_row, first_col = (unit - row * segments_per_row) * segment_blocks * 16;
-        const u32 bytes = min(segment_blocks * 16, cols - first_col) * 2;
-        mbarrier_arrive_expect_bytes(full_base + 8 * stage, bytes);
-        bulk_copy_to_shared(stages_base + stage * p.stage_bytes, s.x + (i64)row * s.x_row_stride + first_col,
-                            bytes, full_base + 8 * stage);
-    };
-    if (tid == 0) {
-        for (u32 st = 0; st < STAGES; ++st) mbarrier_init(full_base + 8 * st, 1);
-        mbarrier_init_fence();
-        for (u32 st = 0; st < STAGES; ++st) {
-            if (blockIdx.x + st * gridDim.x < units) start_copy(blockIdx.x + st * gridDim.x, st);
-        }
-    }
-    __syncthreads();
-
-    const float g = p.global_scale[0], rcp_g = rcp_approx_ftz(g);
-    u32 parity = 0;  // bit st: parity of the phase of stage st to wait for next
-    u32 stage = 0;
-    for (u32 unit = blockIdx.x; unit < units; unit += gridDim.x) {
-        const u32 row = unit / segments_per_row, first = (unit - row * segments_per_row) * segment_blocks;
-        const u32 count = min(segment_blocks, lanes_per_row - first);  // blocks of this segment, padding included
-        const i64 m = Source::modulation_row(s, row);
-        u8* qrow = p.qdata + (u64)row * (cols / 2);
-        u8* srow = p.scales + (u64)(row >> 7) * scale_groups * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4;
-        const u8* staged = staged_segments + stage * p.stage_bytes;
-        mbarrier_wait(full_base + 8 * stage, (parity >> stage) & 1u);
-        parity ^= 1u << stage;
-        for (u32 b0 = tid & ~31u; b0 < count; b0 += STAGED_THREADS) {  // warp-uniform: the shuffles need all lanes
-            const u32 b = b0 + lane, c = first + b, col = c * 16;
-            const bool in_segment = b < count, in_cols = in_segment && col < cols;
-            u32 w[8];
-            if (in_cols) {
-                Source::load_staged(s, m, (i64)col, staged + b * 32, w);
-            } else {
-#pragma unroll
-                for (int j = 0; j < 8; ++j) w[j] = 0;
-            }
-            u32 block_scale, lo, hi;
-            quantize_block16(w, g, rcp_g, block_scale, lo, hi);
-            const u32 scale_byte = in_cols ? block_scale : 0u;
-            const u32 b1 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 1);
-            const u32 b2 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 2);
-            const u32 b3 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 3);
-            if (in_cols) {
-                asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(qrow + col / 2), "r"(lo), "r"(hi) : "memory");
-            }
-#ifndef PACK_SKIP_SCALE_STORE
-            if (in_segment && lane == group_leader) {
-                *reinterpret_cast<u32*>(srow + (c >> 2) * 512) = scale_byte | (b1 << 8) | (b2 << 16) | (b3 << 24);
-            }
-#endif
-        }
-        __syncthreads();  // every thread is done reading this stage
-        if (tid == 0 && unit + STAGES * gridDim.x < units) {
-            fence_shared_before_bulk_copy();
-            start_copy(unit + STAGES * gridDim.x, stage);
-        }
-        stage = stage + 1 == STAGES ? 0 : stage + 1;
-    }
-
-    // Padding rows: zero codes below rows16 (comfy-kitchen packs zeros there) and zero block scales, one scale
-    // group (4 scale bytes, up to 64 columns of codes) per thread.
-    const u32 pad_groups = (rows128 - rows) * scale_groups;
-    for (u32 i = blockIdx.x * blockDim.x + tid; i < pad_groups; i += gridDim.x * blockDim.x) {
-        const u32 r = i / scale_groups, group = i - r * scale_groups, row = rows + r;
-        *reinterpret_cast<u32*>(p.scales + (u64)(row >> 7) * scale_groups * 512 + group * 512 + (row & 31) * 16 +
-                                ((row & 127) >> 5) * 4) = 0u;
-        if (row < rows16) {
-            for (u32 col = group * 64; col < min(cols, group * 64 + 64); col += 16) {
-                *reinterpret_cast<u64*>(p.qdata + (u64)row * (cols / 2) + col / 2) = 0ull;
-            }
-        }
-    }
-}
-
 // ---- gated residual --------------------------------------------------------------------------------------
 
 // torch's addcmul_ in fp32 opmath. The product of two bf16 values is exact in fp32, so a fused or a separate
@@ -508,8 +363,6 @@ extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_modula
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_swiglu(const AbsmaxParams p) { absmax_swiglu_body(p); }
 extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_plain(const PackParams p) { pack_body<PlainSource, PLAIN_ITEMS>(p); }
 extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_modulate(const PackParams p) { pack_body<ModulateSource, ITEMS>(p); }
-extern "C" __global__ void __launch_bounds__(STAGED_THREADS) nvfp4_pack_plain_staged(const PackParams p) { pack_staged_body<PlainSource>(p); }
-extern "C" __global__ void __launch_bounds__(STAGED_THREADS) nvfp4_pack_modulate_staged(const PackParams p) { pack_staged_body<ModulateSource>(p); }
 extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_swiglu(const PackParams p) { pack_body<SwigluSource<SiluEvaluated>, ITEMS>(p); }
 // One CTA per SM (the table takes 128 KB of shared memory); kernels/ops.py launches it where that fits.
 extern "C" __global__ void __launch_bounds__(SILU_TABLE_THREADS, 1) nvfp4_pack_swiglu_table(const PackParams p) {

@@ -42,8 +42,7 @@ class _PackParams(ctypes.Structure):
     _fields_ = [
         ("src", _SourceParams), ("global_scale", ctypes.c_void_p), ("qdata", ctypes.c_void_p),
         ("scales", ctypes.c_void_p), ("rows16", ctypes.c_int64), ("rows128", ctypes.c_int64),
-        ("groups", ctypes.c_int64), ("segment_blocks", ctypes.c_uint32), ("segments_per_row", ctypes.c_uint32),
-        ("stage_bytes", ctypes.c_uint32),
+        ("groups", ctypes.c_int64),
     ]
 
 
@@ -63,18 +62,10 @@ class _GatedResidualParams(ctypes.Structure):
 
 
 # Launch shape; must match the defaults in nvfp4_pack.cu. TUNING_DEFINES overrides both (benchmarks only).
-# STAGE_BLOCKS (host only): the most 16-blocks of a row one shared-memory stage of the staged pack holds;
-# STAGED_MIN_BLOCKS (host only): narrower rows use the direct kernel (too little work per stage otherwise).
 DEFAULT_TUNING = {"PACK_THREADS": 256, "ABSMAX_THREADS": 512, "ITEMS": 1, "ABSMAX_CTAS_PER_SM": 4,
-                  "SILU_TABLE_THREADS": 512, "SILU_TABLE": 1, "STAGES": 4, "STAGED_THREADS": 256,
-                  "STAGE_BLOCKS": 512, "STAGED_MIN_BLOCKS": 128}
+                  "SILU_TABLE_THREADS": 512, "SILU_TABLE": 1}
 RESIDUAL_THREADS = 256
 TUNING_DEFINES: tuple = ()
-
-# How the plain and modulated packs read x: "staged" (row segments bulk-copied into shared memory, see
-# nvfp4_pack.cu), "direct" (16-byte loads into registers), or "auto": staged for rows of at least
-# STAGED_MIN_BLOCKS blocks. Both kernels write the same bytes; tests run both.
-PACK_LOADS = "auto"
 
 
 def _module(device: torch.device):
@@ -278,39 +269,16 @@ def pack_nvfp4(
         alpha = scalars[1:2] if want_alpha else None
     else:
         global_scale = static_scale.reshape(1)
-    params = _PackParams(src, global_scale.data_ptr(), qdata.data_ptr(), scales.view(torch.uint8).data_ptr(),
-                         rows16, rows128, groups, 0, 0, 0)
     kernel, threads, shared = f"nvfp4_pack_{variant}", tuning["PACK_THREADS"], 0
     grid = max(1, min(-(-rows128 // (threads // 32)), mod.sm_count * 64))  # one warp per row
-    staging = _staging(groups * 4, mod, tuning) if variant != "swiglu" else None
-    if staging is not None:
-        params.segment_blocks, params.segments_per_row, params.stage_bytes = staging
-        kernel, threads, shared = f"nvfp4_pack_{variant}_staged", tuning["STAGED_THREADS"], tuning["STAGES"] * staging[2]
-        units = rows * staging[1]
-        grid = max(1, min(units, mod.sm_count * mod.occupancy(kernel, threads, shared)))  # persistent CTAs
-    elif variant == "swiglu" and tuning["SILU_TABLE"] and _silu_table_fits(mod):
+    if variant == "swiglu" and tuning["SILU_TABLE"] and _silu_table_fits(mod):
         src.silu_table = silu_table(x.device).data_ptr()
         kernel, threads, shared = "nvfp4_pack_swiglu_table", tuning["SILU_TABLE_THREADS"], SILU_TABLE_SHARED_BYTES
         grid = max(1, min(-(-rows128 // (threads // 32)), mod.sm_count))  # one CTA per SM, persistent
-    params.src = src
+    params = _PackParams(src, global_scale.data_ptr(), qdata.data_ptr(), scales.view(torch.uint8).data_ptr(),
+                         rows16, rows128, groups)
     mod.launch(kernel, grid, threads, params, stream, shared_bytes=shared)
     return PackedActivation(qdata, scales, global_scale, alpha, rows, k)
-
-
-def _staging(blocks_per_row: int, mod, tuning: dict) -> tuple[int, int, int] | None:
-    """(segment_blocks, segments_per_row, stage_bytes) for the staged pack, or ``None`` for the direct kernel.
-
-    A row of ``blocks_per_row`` 16-blocks (scale padding included, a multiple of 4) is cut into equal segments of
-    at most STAGE_BLOCKS blocks, each a multiple of 4 blocks (whole scale groups)."""
-    if PACK_LOADS == "direct" or (PACK_LOADS == "auto" and blocks_per_row < tuning["STAGED_MIN_BLOCKS"]):
-        return None
-    segments = -(-blocks_per_row // tuning["STAGE_BLOCKS"])
-    segment_blocks = _roundup(-(-blocks_per_row // segments), 4)
-    segments = -(-blocks_per_row // segment_blocks)
-    stage_bytes = _roundup(segment_blocks * 32, 128)
-    if tuning["STAGES"] * stage_bytes > mod.max_shared_per_block:
-        return None
-    return segment_blocks, segments, stage_bytes
 
 
 def gated_residual_(x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor, mod_index: torch.Tensor) -> torch.Tensor:

@@ -247,7 +247,6 @@ class Module:
             _check_cu(lib, lib.cuModuleLoadData(ctypes.byref(self._module), self._image), "cuModuleLoadData")
         self._functions: dict[str, ctypes.c_void_p] = {}
         self._shared_limit: dict[str, int] = {}
-        self._occupancy: dict[tuple, int] = {}
         props = torch.cuda.get_device_properties(device_index)
         self.sm_count = props.multi_processor_count
         self.max_shared_per_block = self._device_attribute(97)  # CU_..._MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
@@ -268,27 +267,6 @@ class Module:
             self._functions[name] = fn
         return fn
 
-    def _allow_shared(self, name: str, fn: ctypes.c_void_p, shared_bytes: int) -> None:
-        """Above 48 KB of dynamic shared memory a kernel must opt in; raise its limit once."""
-        if shared_bytes > self._shared_limit.get(name, 48 * 1024):
-            # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            _check_cu(driver(), driver().cuFuncSetAttribute(fn, 8, shared_bytes), f"cuFuncSetAttribute({name})")
-            self._shared_limit[name] = shared_bytes
-
-    def occupancy(self, name: str, block: int, shared_bytes: int = 0) -> int:
-        """CTAs of ``name`` that fit on one SM at once (registers, threads and shared memory), cached."""
-        key = (name, block, shared_bytes)
-        ctas = self._occupancy.get(key)
-        if ctas is None:
-            fn = self.function(name)
-            self._allow_shared(name, fn, shared_bytes)
-            value = ctypes.c_int()
-            _check_cu(driver(), driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                ctypes.byref(value), fn, ctypes.c_int(block), ctypes.c_size_t(shared_bytes)),
-                f"cuOccupancyMaxActiveBlocksPerMultiprocessor({name})")
-            ctas = self._occupancy[key] = value.value
-        return ctas
-
     def launch(self, name: str, grid: int, block: int, params: ctypes.Structure, stream_handle: int,
                shared_bytes: int = 0) -> None:
         """Launch ``name`` with one by-value struct argument on the given raw CUDA stream (no sync).
@@ -296,7 +274,10 @@ class Module:
         ``shared_bytes``: dynamic shared memory; above 48 KB the kernel's limit is raised once (opt-in)."""
         lib = driver()
         fn = self.function(name)
-        self._allow_shared(name, fn, shared_bytes)
+        if shared_bytes > self._shared_limit.get(name, 48 * 1024):
+            # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _check_cu(lib, lib.cuFuncSetAttribute(fn, 8, shared_bytes), f"cuFuncSetAttribute({name})")
+            self._shared_limit[name] = shared_bytes
         args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         result = lib.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, shared_bytes, stream_handle, args, None)
         if result == 201:  # CUDA_ERROR_INVALID_CONTEXT: a thread torch has not bound to this device yet

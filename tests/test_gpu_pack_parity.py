@@ -43,13 +43,6 @@ def comfy_pack(h: torch.Tensor, scale: torch.Tensor | None = None):
     return q, s, g
 
 
-@pytest.fixture(params=["staged", "direct"])
-def pack_loads(request, monkeypatch):
-    """Run a test with each of the two ways the plain and modulated packs read x (same bytes expected)."""
-    monkeypatch.setattr(_ops(), "PACK_LOADS", request.param)
-    return request.param
-
-
 def fused_pack(x, **kwargs):
     ops = _ops()
     k = x.shape[1] // 2 if kwargs.get("swiglu") else x.shape[1]
@@ -83,7 +76,7 @@ def random_activation(rows, cols, device="cuda"):
 
 
 @pytest.mark.parametrize("cols", [5376, 7168, 14336])
-def test_h3_widths_dynamic(cols, pack_loads):
+def test_h3_widths_dynamic(cols):
     seed = fresh_seed()
     x = random_activation(H3_ROWS, cols)
     assert_same_pack(fused_pack(x), *comfy_pack(x), f"[{H3_ROWS}, {cols}] seed {seed}")
@@ -91,51 +84,28 @@ def test_h3_widths_dynamic(cols, pack_loads):
 
 @pytest.mark.parametrize("rows", [1, 17, 129, H3_ROWS])
 @pytest.mark.parametrize("cols", [16, 32, 5392])
-def test_odd_shapes(rows, cols, pack_loads):
+def test_odd_shapes(rows, cols):
     seed = fresh_seed()
     x = random_activation(rows, cols)
     assert_same_pack(fused_pack(x), *comfy_pack(x), f"[{rows}, {cols}] seed {seed}")
 
 
 @pytest.mark.parametrize("static", [0.5, 1.0, 3.0e-3, 7.1e-5])
-def test_static_scale(static, pack_loads):
+def test_static_scale(static):
     seed = fresh_seed()
     x = random_activation(1000, 5376)
     scale = torch.tensor([static], dtype=torch.float32, device="cuda")
     assert_same_pack(fused_pack(x, static_scale=scale), *comfy_pack(x, scale), f"static {static} seed {seed}")
 
 
-def test_strided_view_is_read_in_place(pack_loads):
+def test_strided_view_is_read_in_place():
     seed = fresh_seed()
     qkv = random_activation(3001, 3 * 7168)
     for view in (qkv[:, :7168], qkv[:, 7168:14336], qkv[:, 14336:]):
         assert_same_pack(fused_pack(view), *comfy_pack(view), f"strided view seed {seed}")
 
 
-@pytest.mark.parametrize("stage_blocks", [4, 8, 36])
-@pytest.mark.parametrize("rows,cols", [(129, 5392), (1000, 2000), (37, 16)])
-def test_staged_pack_row_segments(rows, cols, stage_blocks, monkeypatch):
-    """The staged pack with rows cut into many shared-memory segments: segment ends inside a row, a last scale
-    group that is partly padding (5392 / 16 = 337 blocks), strided input, modulated source."""
-    ops = _ops()
-    monkeypatch.setattr(ops, "PACK_LOADS", "staged")
-    monkeypatch.setattr(ops, "TUNING_DEFINES", (("STAGE_BLOCKS", str(stage_blocks)),))
-    seed = fresh_seed()
-    wide = random_activation(rows, 2 * cols + 8)
-    for label, x in (("contiguous", random_activation(rows, cols)), ("strided", wide[:, 8:cols + 8])):
-        assert_same_pack(fused_pack(x), *comfy_pack(x), f"{label} [{rows}, {cols}] segments of {stage_blocks} seed {seed}")
-    ada = (torch.randn(3, 2 * cols, device="cuda") * 0.5).to(torch.bfloat16)
-    shift, scale = ada[:, :cols], ada[:, cols:]
-    segments, index = _segments_and_index(rows, 3)
-    h = random_activation(rows, cols)
-    stock = h.clone()
-    for a, b, r in segments:
-        stock[a:b].mul_(1.0 + scale[r]).add_(shift[r])
-    fused = fused_pack(h, modulation=ops.Modulation(scale, shift, index))
-    assert_same_pack(fused, *comfy_pack(stock), f"modulated [{rows}, {cols}] segments of {stage_blocks} seed {seed}")
-
-
-def test_every_bf16_value(pack_loads):
+def test_every_bf16_value():
     """All 65536 bf16 bit patterns (NaN, +-Inf, -0.0, subnormals, ties) in one tensor, several scales."""
     allbits = torch.arange(65536, dtype=torch.int32, device="cuda").to(torch.int16).view(torch.bfloat16)
     x = allbits.reshape(-1, 256)
@@ -165,7 +135,7 @@ def _tie_tensor():
     "case",
     ["zeros", "negative_zeros", "one_nan", "inf", "neg_inf", "underflow_blocks", "huge", "tiny", "subnormal", "ties"],
 )
-def test_hard_cases(case, pack_loads):
+def test_hard_cases(case):
     x = random_activation(300, 5376)
     scale = None
     if case == "zeros":
@@ -241,7 +211,7 @@ def _segments_and_index(rows, n_mod_rows, device="cuda"):
 
 
 @pytest.mark.parametrize("rows", [H3_ROWS, 301])
-def test_modulated_pack_matches_stock(rows, pack_loads):
+def test_modulated_pack_matches_stock(rows):
     ops = _ops()
     seed = fresh_seed()
     k = 5376

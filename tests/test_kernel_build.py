@@ -27,13 +27,8 @@ KERNELS = (
     "nvfp4_pack_plain",
     "nvfp4_pack_modulate",
     "nvfp4_pack_swiglu",
-    "nvfp4_pack_swiglu_table",
-    "nvfp4_pack_plain_staged",
-    "nvfp4_pack_modulate_staged",
     "h3_gated_residual",
 )
-STAGED_KERNELS = ("nvfp4_pack_plain_staged", "nvfp4_pack_modulate_staged")
-BULK_COPY = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
 # Targets that must build (GB10 and RTX 50 are sm_121/sm_120, B200 sm_100, H200 the sm_90 development target).
 REQUIRED_ARCHS = ("sm_90a", "sm_100a", "sm_120a", "sm_121a")
 HW_E2M1 = "cvt.rn.satfinite.e2m1x2.f32"
@@ -98,10 +93,6 @@ def test_ptx_uses_hardware_e2m1_from_sm100(arch):
         assert HW_E2M1 in ptx, f"{arch} should use the hardware E2M1 conversion ({HW_E2M1}) but builds the software path"
     else:
         assert HW_E2M1 not in ptx, f"{arch} has no E2M1 instruction; the software path should be built"
-    # The staged kernels read x through bulk copies (every supported target has them, sm_90 on).
-    for kernel in STAGED_KERNELS:
-        body = ptx.split(f".entry {kernel}(", 1)[1].split(".entry ", 1)[0]
-        assert BULK_COPY in body and "mbarrier.try_wait.parity" in body, f"{arch} {kernel}: no bulk copy / barrier wait"
 
 
 @pytest.mark.parametrize("impl", ["0", "3", "4", "9"])
@@ -231,39 +222,3 @@ def test_unwritable_cache_still_returns_the_cubin(fake_build, monkeypatch, tmp_p
     _, calls = fake_build
     cubin = runtime.cached_cubin("sm_90a")
     assert cubin.startswith(b"\x7fELF") and len(calls) == 1
-
-
-# ---- staged pack: how rows are cut into shared-memory segments (host logic, no GPU) ------------------------
-
-class _FakeModule:
-    max_shared_per_block = 99 * 1024  # sm_120's opt-in limit, the smallest of the supported GPUs
-
-
-@pytest.mark.parametrize("stage_blocks", [4, 8, 36, 512])
-@pytest.mark.parametrize("blocks", [4, 128, 336, 340, 448, 896, 1792, 4096])
-def test_staged_segments_cover_each_row(blocks, stage_blocks, monkeypatch):
-    from h3_fused_nvfp4.kernels import ops
-
-    monkeypatch.setattr(ops, "PACK_LOADS", "staged")
-    tuning = {**ops.DEFAULT_TUNING, "STAGE_BLOCKS": stage_blocks}
-    segment_blocks, segments, stage_bytes = ops._staging(blocks, _FakeModule(), tuning)
-    assert segment_blocks % 4 == 0 and segment_blocks <= max(stage_blocks, 4)
-    assert (segments - 1) * segment_blocks < blocks <= segments * segment_blocks  # no empty segment
-    # every segment starts on a scale group and (as only the row's last group can be padding) holds input
-    assert blocks - (segments - 1) * segment_blocks >= 1
-    assert stage_bytes % 128 == 0 and stage_bytes >= segment_blocks * 32
-    assert tuning["STAGES"] * stage_bytes <= _FakeModule.max_shared_per_block
-
-
-def test_staged_pack_is_chosen_for_wide_rows_only(monkeypatch):
-    from h3_fused_nvfp4.kernels import ops
-
-    tuning = dict(ops.DEFAULT_TUNING)
-    assert ops.PACK_LOADS == "auto"
-    assert ops._staging(336, _FakeModule(), tuning) is not None          # H3's 5376 columns
-    assert ops._staging(tuning["STAGED_MIN_BLOCKS"] - 4, _FakeModule(), tuning) is None
-    monkeypatch.setattr(ops, "PACK_LOADS", "direct")
-    assert ops._staging(336, _FakeModule(), tuning) is None
-    monkeypatch.setattr(ops, "PACK_LOADS", "staged")
-    small = type("SmallShared", (), {"max_shared_per_block": 32 * 1024})()
-    assert ops._staging(512, small, tuning) is None  # 4 stages of 16 KB do not fit: direct kernel
