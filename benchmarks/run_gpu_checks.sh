@@ -16,7 +16,10 @@ if [[ "${SAGE:-0}" == 1 ]] && OUT="$OUT" bash benchmarks/build_sageattention.sh;
   export PYTHONPATH=$PWD/.third_party/SageAttention${PYTHONPATH:+:$PYTHONPATH}
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -m pytest ${PYTEST_PATHS:-tests} -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -40
+# STEP_TIMEOUT: seconds allowed for the tests and for each benchmark (0: no limit), so one stuck step does not
+# take the others' results with it.
+STEP_TIMEOUT=${STEP_TIMEOUT:-0}
+timeout "$STEP_TIMEOUT" python3 -m pytest ${PYTEST_PATHS:-tests} -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -40
 # BENCHMARKS: script names without .py, each optionally with arguments after a colon, comma-separated
 # (profile_block:--attention,sage writes h200-profile_block-attention-sage.json).
 for entry in ${BENCHMARKS:-bench_pack}; do
@@ -25,5 +28,5 @@ for entry in ${BENCHMARKS:-bench_pack}; do
     args=${entry#*:}; args=${args//,/ }
     tag="$tag$(echo " $args" | tr -s ' -' '-')"
   fi
-  python3 "benchmarks/$name.py" $args --out "$OUT/h200-$tag.json" 2>&1 | tee "$OUT/$tag.log" | tail -15
+  timeout "$STEP_TIMEOUT" python3 "benchmarks/$name.py" $args --out "$OUT/h200-$tag.json" 2>&1 | tee "$OUT/$tag.log" | tail -15
 done
