@@ -24,23 +24,28 @@ from h3_fused_nvfp4.kernels import ops  # noqa: E402
 
 ROWS = 37810
 # "probe_*" variants are timing probes that compute wrong bytes on purpose (expected to show DIFF): they bound
-# how much of the time is the E2M1 conversion or the scale stores.
+# how much of the time is the E2M1 conversion or the scale stores (both removed: the memory pattern alone).
 VARIANTS = {
     "default": (),
-    "plain_no_allocate": (("PLAIN_LOAD_NO_ALLOCATE", "1"),),
-    "plain_items2": (("PLAIN_ITEMS", "2"),),
-    "items2": (("ITEMS", "2"),),
-    "pack_threads512": (("PACK_THREADS", "512"),),
+    "walk_chunks": (("PACK_WALK", "1"),),
+    "walk_chunks_items2": (("PACK_WALK", "1"), ("PLAIN_ITEMS", "2"), ("ITEMS", "1")),
+    "walk_chunks_items8": (("PACK_WALK", "1"), ("PLAIN_ITEMS", "8"), ("ITEMS", "2")),
+    "plain_items6": (("PLAIN_ITEMS", "6"),),
+    "plain_items11": (("PLAIN_ITEMS", "11"),),
+    "persistent4": (("PACK_CTAS_PER_SM", "4"),),
+    "persistent8": (("PACK_CTAS_PER_SM", "8"),),
     "silu_formula": (("SILU_TABLE", "0"),),
-    "e2m1_value_at_a_time": (("E2M1_SW_IMPL", "3"),),
     "probe_no_e2m1": (("E2M1_SW_IMPL", "9"),),
     "probe_no_scale_store": (("PACK_SKIP_SCALE_STORE", "1"),),
+    "probe_memory_only": (("E2M1_SW_IMPL", "9"), ("PACK_SKIP_SCALE_STORE", "1")),
+    "probe_memory_only_walk": (("E2M1_SW_IMPL", "9"), ("PACK_SKIP_SCALE_STORE", "1"), ("PACK_WALK", "1")),
 }
 
 
 def cases():
     torch.manual_seed(440420)
     x5 = (torch.randn(ROWS, 5376, device="cuda") * 2).to(torch.bfloat16)
+    x7 = (torch.randn(ROWS, 7168, device="cuda") * 2).to(torch.bfloat16)
     x14 = (torch.randn(ROWS, 14336, device="cuda") * 2).to(torch.bfloat16)
     y = (torch.randn(ROWS, 28672, device="cuda") * 2).to(torch.bfloat16)
     ada = (torch.randn(6, 6 * 5376, device="cuda") * 0.5).to(torch.bfloat16)
@@ -52,6 +57,8 @@ def cases():
     w2 = torch.tensor([2.5e-4], device="cuda")
     return {
         "plain5376_static": lambda: ops.pack_nvfp4(x5, static_scale=static),
+        "plain7168_static": lambda: ops.pack_nvfp4(x7, static_scale=static),
+        "plain14336_static": lambda: ops.pack_nvfp4(x14, static_scale=static),
         "plain5376_dynamic": lambda: ops.pack_nvfp4(x5, weight_scale_2=w2),
         "plain14336_dynamic": lambda: ops.pack_nvfp4(x14, weight_scale_2=w2),
         "modulate5376_dynamic": lambda: ops.pack_nvfp4(x5, weight_scale_2=w2, modulation=mod),

@@ -82,9 +82,11 @@ def test_h3_widths_dynamic(cols):
     assert_same_pack(fused_pack(x), *comfy_pack(x), f"[{H3_ROWS}, {cols}] seed {seed}")
 
 
+@pytest.mark.parametrize("walk", ["0", "1"])
 @pytest.mark.parametrize("rows", [1, 17, 129, H3_ROWS])
 @pytest.mark.parametrize("cols", [16, 32, 5392])
-def test_odd_shapes(rows, cols):
+def test_odd_shapes(rows, cols, walk, monkeypatch):
+    monkeypatch.setattr(_ops(), "TUNING_DEFINES", (("PACK_WALK", walk),))
     seed = fresh_seed()
     x = random_activation(rows, cols)
     assert_same_pack(fused_pack(x), *comfy_pack(x), f"[{rows}, {cols}] seed {seed}")
