@@ -298,6 +298,37 @@ __device__ __forceinline__ void pack_store_block(const PackParams& p, u32 row, u
 #endif
 }
 
+// The same with half a block per lane (lanes 2k, 2k+1: values 0-7, 8-15 of block c): every 16-byte load of a warp
+// reads 512 contiguous bytes, codes are stored 4 bytes per lane, a scale group spans 8 lanes.
+__device__ __forceinline__ void pack_store_half_block(const PackParams& p, u32 row, u32 c, const u32 w[4], float g,
+                                                      float rcp_g) {
+    const u32 lane = threadIdx.x & 31, group_leader = lane & ~7u;
+    const u32 cols = (u32)p.src.cols, scale_groups = (u32)p.groups;
+    const u32 col = c * 16;
+    const bool packed_row = row < (u32)p.rows16, in_cols = col < cols;
+    u32 block_scale, codes;
+    quantize_half_block8(w, g, rcp_g, block_scale, codes);
+    const u32 scale_byte = (in_cols && packed_row) ? block_scale : 0u;
+    const u32 b1 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 2);
+    const u32 b2 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 4);
+    const u32 b3 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 6);
+    if (c >= scale_groups * 4) return;
+    if (packed_row && in_cols) {
+        asm volatile("st.global.u32 [%0], %1;"
+                     :: "l"(p.qdata + (u64)row * (cols / 2) + col / 2 + (lane & 1) * 4), "r"(codes) : "memory");
+    }
+#ifndef PACK_SKIP_SCALE_STORE
+    if (lane == group_leader) {
+        u8* scale_word = p.scales + (u64)(row >> 7) * scale_groups * 512 + (c >> 2) * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4;
+        *reinterpret_cast<u32*>(scale_word) = scale_byte | (b1 << 8) | (b2 << 16) | (b3 << 24);
+    }
+#endif
+}
+
+#ifndef PACK_HALF_BLOCKS
+#define PACK_HALF_BLOCKS 0
+#endif
+
 // 0: one warp per row, Items chunks of 32 blocks of that row in flight at a time;
 // 1: the grid walks (row, 32-block chunk) pairs in memory order, each warp Items consecutive chunks (which may
 //    cross into the next row), so the warps in flight read one compact window of x, as a copy kernel does.
@@ -314,7 +345,29 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
     const u32 lane = threadIdx.x & 31;
     const u32 warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const u32 warps_total = gridDim.x * (blockDim.x >> 5);
-#if PACK_WALK == 0
+#if PACK_HALF_BLOCKS
+    for (u32 row = warp; row < rows128; row += warps_total) {
+        const bool data_row = row < rows;
+        for (u32 c0 = 0; c0 < lanes_per_row; c0 += 16 * Items) {
+            u32 w[Items][4];
+#pragma unroll
+            for (int i = 0; i < Items; ++i) {
+                const u32 col = (c0 + 16 * i) * 16 + lane * 8;
+                if (data_row && col < cols) {
+                    Source::load(s, (i64)row, (i64)col, w[i]);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) w[i][j] = 0;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < Items; ++i) {
+                if (c0 + 16 * i >= lanes_per_row) break;  // warp-uniform
+                pack_store_half_block(p, row, c0 + 16 * i + (lane >> 1), w[i], g, rcp_g);
+            }
+        }
+    }
+#elif PACK_WALK == 0
     for (u32 row = warp; row < rows128; row += warps_total) {
         const bool data_row = row < rows;
         for (u32 c0 = 0; c0 < lanes_per_row; c0 += 32 * Items) {
