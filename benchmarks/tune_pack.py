@@ -27,19 +27,14 @@ ROWS = 37810
 # how much of the time is the E2M1 conversion or the scale stores (both removed: the memory pattern alone).
 VARIANTS = {
     "default": (),
-    "walk_chunks": (("PACK_WALK", "1"),),
-    "walk_chunks_items2": (("PACK_WALK", "1"), ("PLAIN_ITEMS", "2"), ("ITEMS", "1")),
-    "walk_chunks_items8": (("PACK_WALK", "1"), ("PLAIN_ITEMS", "8"), ("ITEMS", "2")),
-    "half_blocks_items4": (("PACK_HALF_BLOCKS", "1"), ("PLAIN_ITEMS", "4")),
-    "half_blocks_items8": (("PACK_HALF_BLOCKS", "1"), ("PLAIN_ITEMS", "8"), ("ITEMS", "2")),
-    "half_blocks_items16": (("PACK_HALF_BLOCKS", "1"), ("PLAIN_ITEMS", "16"), ("ITEMS", "4")),
-    "probe_memory_only_half": (("E2M1_SW_IMPL", "9"), ("PACK_SKIP_SCALE_STORE", "1"), ("PACK_HALF_BLOCKS", "1"),
-                               ("PLAIN_ITEMS", "8")),
+    "plain_items2": (("PLAIN_ITEMS", "2"),),
+    "items2": (("ITEMS", "2"),),
+    "pack_threads512": (("PACK_THREADS", "512"),),
     "silu_formula": (("SILU_TABLE", "0"),),
+    "e2m1_value_at_a_time": (("E2M1_SW_IMPL", "3"),),
     "probe_no_e2m1": (("E2M1_SW_IMPL", "9"),),
     "probe_no_scale_store": (("PACK_SKIP_SCALE_STORE", "1"),),
     "probe_memory_only": (("E2M1_SW_IMPL", "9"), ("PACK_SKIP_SCALE_STORE", "1")),
-    "probe_memory_only_walk": (("E2M1_SW_IMPL", "9"), ("PACK_SKIP_SCALE_STORE", "1"), ("PACK_WALK", "1")),
 }
 
 

@@ -312,35 +312,6 @@ NVFP4_DEVICE void quantize_block16(const u32 w[8], float g, float rcp_g, u32& sc
     hi = encode8(w + 4, bs.encode);
 }
 
-// Half a 16-value block per lane (PACK_HALF_BLOCKS layout): lanes 2k and 2k+1 hold values 0-7 and 8-15 of one
-// block (4 words each). Both lanes compute the block's absmax (one shuffle) and scale; each lane encodes its own 8
-// values. Lanes of a pair always take the same branch (they see the same absmax), so the shuffle in the fallback
-// names just the pair.
-NVFP4_DEVICE void quantize_half_block8(const u32 w[4], float g, float rcp_g, u32& scale_byte, u32& codes) {
-    const u32 pair_mask = 3u << ((threadIdx.x & 31) & ~1u);
-#if !defined(NVFP4_HW_E2M1) && E2M1_SW_IMPL == 4
-    u32 a[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) a[j] = w[j] & 0x7FFF7FFFu;
-    u32 m = __vmaxu2(__vmaxu2(a[0], a[1]), __vmaxu2(a[2], a[3]));
-    m = __vmaxu2(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
-    const u32 amax = max(m & 0xFFFFu, m >> 16);
-    if (amax <= 0x7F80u) {
-        const BlockScale bs = block_scale_from_absmax((u16)amax, g, rcp_g);
-        if (bs.encode > 0.0f) {
-            scale_byte = bs.byte;
-            codes = encode8_no_nan(w, a, bs.encode);
-            return;
-        }
-    }
-#endif
-    u32 mx = bf16x2_max(bf16x2_absmax(w[0], w[1]), bf16x2_absmax(w[2], w[3]));
-    mx = bf16x2_max(mx, __shfl_xor_sync(pair_mask, mx, 1));
-    const BlockScale bs = block_scale_from_absmax(bf16x2_hmax(mx), g, rcp_g);
-    scale_byte = bs.byte;
-    codes = encode8(w, bs.encode);
-}
-
 // ---- swizzled block-scale layout (must match reference/nvfp4.py::swizzled_scale_offset) -------------------
 // cuBLASLt's 1x16 block-scale layout: 128-row x 4-column tiles of 512 bytes; inside a tile, row r sits at
 // (r % 32) * 16 + (r % 128) / 32 * 4 and column c at c % 4.

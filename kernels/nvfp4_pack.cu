@@ -271,105 +271,22 @@ __device__ __forceinline__ void absmax_swiglu_body(const AbsmaxParams& p) {
 
 // ---- pack ------------------------------------------------------------------------------------------------
 
-// Quantize one 16-block (lane's block c of `row`, values w) and store its codes and, from each group's first lane,
-// the group's 4 scale bytes. All 32 lanes must call it (shuffles); lanes past the row's padded width store nothing.
-__device__ __forceinline__ void pack_store_block(const PackParams& p, u32 row, u32 c, const u32 w[8], float g,
-                                                 float rcp_g) {
-    const u32 lane = threadIdx.x & 31, group_leader = lane & ~3u;
-    const u32 cols = (u32)p.src.cols, scale_groups = (u32)p.groups;
-    const u32 col = c * 16;
-    const bool packed_row = row < (u32)p.rows16, in_cols = col < cols;
-    u32 block_scale, lo, hi;
-    quantize_block16(w, g, rcp_g, block_scale, lo, hi);
-    const u32 scale_byte = (in_cols && packed_row) ? block_scale : 0u;
-    const u32 b1 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 1);
-    const u32 b2 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 2);
-    const u32 b3 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 3);
-    if (c >= scale_groups * 4) return;
-    if (packed_row && in_cols) {
-        asm volatile("st.global.v2.u32 [%0], {%1, %2};"
-                     :: "l"(p.qdata + (u64)row * (cols / 2) + col / 2), "r"(lo), "r"(hi) : "memory");
-    }
-#ifndef PACK_SKIP_SCALE_STORE
-    if (lane == group_leader) {
-        u8* scale_word = p.scales + (u64)(row >> 7) * scale_groups * 512 + (c >> 2) * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4;
-        *reinterpret_cast<u32*>(scale_word) = scale_byte | (b1 << 8) | (b2 << 16) | (b3 << 24);
-    }
-#endif
-}
-
-// The same with half a block per lane (lanes 2k, 2k+1: values 0-7, 8-15 of block c): every 16-byte load of a warp
-// reads 512 contiguous bytes, codes are stored 4 bytes per lane, a scale group spans 8 lanes.
-__device__ __forceinline__ void pack_store_half_block(const PackParams& p, u32 row, u32 c, const u32 w[4], float g,
-                                                      float rcp_g) {
-    const u32 lane = threadIdx.x & 31, group_leader = lane & ~7u;
-    const u32 cols = (u32)p.src.cols, scale_groups = (u32)p.groups;
-    const u32 col = c * 16;
-    const bool packed_row = row < (u32)p.rows16, in_cols = col < cols;
-    u32 block_scale, codes;
-    quantize_half_block8(w, g, rcp_g, block_scale, codes);
-    const u32 scale_byte = (in_cols && packed_row) ? block_scale : 0u;
-    const u32 b1 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 2);
-    const u32 b2 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 4);
-    const u32 b3 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 6);
-    if (c >= scale_groups * 4) return;
-    if (packed_row && in_cols) {
-        asm volatile("st.global.u32 [%0], %1;"
-                     :: "l"(p.qdata + (u64)row * (cols / 2) + col / 2 + (lane & 1) * 4), "r"(codes) : "memory");
-    }
-#ifndef PACK_SKIP_SCALE_STORE
-    if (lane == group_leader) {
-        u8* scale_word = p.scales + (u64)(row >> 7) * scale_groups * 512 + (c >> 2) * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4;
-        *reinterpret_cast<u32*>(scale_word) = scale_byte | (b1 << 8) | (b2 << 16) | (b3 << 24);
-    }
-#endif
-}
-
-#ifndef PACK_HALF_BLOCKS
-#define PACK_HALF_BLOCKS 0
-#endif
-
-// 0: one warp per row, Items chunks of 32 blocks of that row in flight at a time;
-// 1: the grid walks (row, 32-block chunk) pairs in memory order, each warp Items consecutive chunks (which may
-//    cross into the next row), so the warps in flight read one compact window of x, as a copy kernel does.
-#ifndef PACK_WALK
-#define PACK_WALK 0
-#endif
-
 template <class Source, int Items>
 __device__ __forceinline__ void pack_body(const PackParams& p) {
     const SourceParams& s = p.src;
     const u32 lanes_per_row = (u32)p.groups * 4;
-    const u32 cols = (u32)s.cols, rows = (u32)s.rows, rows128 = (u32)p.rows128;
+    const u32 cols = (u32)s.cols, rows = (u32)s.rows, rows16 = (u32)p.rows16, rows128 = (u32)p.rows128;
+    const u32 scale_groups = (u32)p.groups;
     const float g = p.global_scale[0], rcp_g = rcp_approx_ftz(g);
     const u32 lane = threadIdx.x & 31;
-    const u32 warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const u32 group_leader = lane & ~3u;
     const u32 warps_total = gridDim.x * (blockDim.x >> 5);
-#if PACK_HALF_BLOCKS
-    for (u32 row = warp; row < rows128; row += warps_total) {
+
+    for (u32 row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; row < rows128; row += warps_total) {
         const bool data_row = row < rows;
-        for (u32 c0 = 0; c0 < lanes_per_row; c0 += 16 * Items) {
-            u32 w[Items][4];
-#pragma unroll
-            for (int i = 0; i < Items; ++i) {
-                const u32 col = (c0 + 16 * i) * 16 + lane * 8;
-                if (data_row && col < cols) {
-                    Source::load(s, (i64)row, (i64)col, w[i]);
-                } else {
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) w[i][j] = 0;
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < Items; ++i) {
-                if (c0 + 16 * i >= lanes_per_row) break;  // warp-uniform
-                pack_store_half_block(p, row, c0 + 16 * i + (lane >> 1), w[i], g, rcp_g);
-            }
-        }
-    }
-#elif PACK_WALK == 0
-    for (u32 row = warp; row < rows128; row += warps_total) {
-        const bool data_row = row < rows;
+        const bool packed_row = row < rows16;
+        u8* qrow = p.qdata + (u64)row * (cols / 2);
+        u8* srow = p.scales + (u64)(row >> 7) * scale_groups * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4;
         for (u32 c0 = 0; c0 < lanes_per_row; c0 += 32 * Items) {
             u32 w[Items][8];
 #pragma unroll
@@ -386,37 +303,27 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
 #pragma unroll
             for (int i = 0; i < Items; ++i) {
                 if (c0 + 32 * i >= lanes_per_row) break;  // warp-uniform: no block of this row left (row tail)
-                pack_store_block(p, row, c0 + 32 * i + lane, w[i], g, rcp_g);
-            }
-        }
-    }
-#else
-    const u32 chunks_per_row = (lanes_per_row + 31) >> 5;
-    const u32 units = rows128 * chunks_per_row;
-    for (u32 u0 = warp * Items; u0 < units; u0 += warps_total * Items) {
-        u32 w[Items][8], row_of[Items], block_of[Items];
-        u32 row = u0 / chunks_per_row, chunk = u0 - row * chunks_per_row;  // one division per Items chunks
-#pragma unroll
-        for (int i = 0; i < Items; ++i) {
-            row_of[i] = row;
-            block_of[i] = chunk * 32 + lane;
-            const u32 col = block_of[i] * 16;
-            if (u0 + i < units && row < rows && col < cols) {
-                Source::load(s, (i64)row, (i64)col, w[i]);
-                Source::load(s, (i64)row, (i64)col + 8, w[i] + 4);
-            } else {
-#pragma unroll
-                for (int j = 0; j < 8; ++j) w[i][j] = 0;
-            }
-            if (++chunk == chunks_per_row) { chunk = 0; ++row; }
-        }
-#pragma unroll
-        for (int i = 0; i < Items; ++i) {
-            if (u0 + i >= units) break;  // warp-uniform
-            pack_store_block(p, row_of[i], block_of[i], w[i], g, rcp_g);
-        }
-    }
+                const u32 c = c0 + 32 * i + lane;
+                const u32 col = c * 16;
+                u32 block_scale, lo, hi;
+                quantize_block16(w[i], g, rcp_g, block_scale, lo, hi);
+                const bool in_cols = col < cols;
+                u32 scale_byte = (in_cols && packed_row) ? block_scale : 0u;
+                u32 b1 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 1);
+                u32 b2 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 2);
+                u32 b3 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 3);
+                if (c >= lanes_per_row) continue;
+                if (packed_row && in_cols) {
+                    asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(qrow + col / 2), "r"(lo), "r"(hi) : "memory");
+                }
+#ifndef PACK_SKIP_SCALE_STORE
+                if (lane == group_leader) {
+                    *reinterpret_cast<u32*>(srow + (c >> 2) * 512) = scale_byte | (b1 << 8) | (b2 << 16) | (b3 << 24);
+                }
 #endif
+            }
+        }
+    }
 }
 
 // ---- gated residual --------------------------------------------------------------------------------------

@@ -62,9 +62,8 @@ class _GatedResidualParams(ctypes.Structure):
 
 
 # Launch shape; must match the defaults in nvfp4_pack.cu. TUNING_DEFINES overrides both (benchmarks only).
-# PACK_CTAS_PER_SM (host only) caps the pack grid; the default never binds at H3's sizes (one warp per row).
-DEFAULT_TUNING = {"PACK_THREADS": 256, "ABSMAX_THREADS": 512, "ITEMS": 1, "PLAIN_ITEMS": 4, "ABSMAX_CTAS_PER_SM": 4,
-                  "SILU_TABLE_THREADS": 512, "SILU_TABLE": 1, "PACK_WALK": 0, "PACK_CTAS_PER_SM": 64}
+DEFAULT_TUNING = {"PACK_THREADS": 256, "ABSMAX_THREADS": 512, "ITEMS": 1, "ABSMAX_CTAS_PER_SM": 4,
+                  "SILU_TABLE_THREADS": 512, "SILU_TABLE": 1}
 RESIDUAL_THREADS = 256
 TUNING_DEFINES: tuple = ()
 
@@ -271,10 +270,7 @@ def pack_nvfp4(
     else:
         global_scale = static_scale.reshape(1)
     kernel, threads, shared = f"nvfp4_pack_{variant}", tuning["PACK_THREADS"], 0
-    warps = rows128  # one warp per row
-    if tuning["PACK_WALK"]:  # warps walk Items consecutive 32-block chunks
-        warps = -(-rows128 * -(-groups * 4 // 32) // tuning["PLAIN_ITEMS" if variant == "plain" else "ITEMS"])
-    grid = max(1, min(-(-warps // (threads // 32)), mod.sm_count * tuning["PACK_CTAS_PER_SM"]))
+    grid = max(1, min(-(-rows128 // (threads // 32)), mod.sm_count * 64))  # one warp per row
     if variant == "swiglu" and tuning["SILU_TABLE"] and _silu_table_fits(mod):
         src.silu_table = silu_table(x.device).data_ptr()
         kernel, threads, shared = "nvfp4_pack_swiglu_table", tuning["SILU_TABLE_THREADS"], SILU_TABLE_SHARED_BYTES
