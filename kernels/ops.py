@@ -314,6 +314,7 @@ class _RmsRopeParams(ctypes.Structure):
 
 ROPE_THREADS = 256  # must match h3_rms_rope.cu
 ROPE_HEAD_DIM, ROPE_ROT_DIM = 128, 96
+ROPE_THREADS_PER_HEAD, ROPE_ACCESS_BYTES = 8, 8  # must match h3_rms_rope.cu (rms_rope_vec_body<4>)
 
 
 def rms_rope_support(q, k, freqs, q_weight, k_weight, rot_dim) -> str | None:
@@ -334,6 +335,9 @@ def rms_rope_support(q, k, freqs, q_weight, k_weight, rot_dim) -> str | None:
         return "norm weights must be contiguous [head_dim]"
     if s * q.shape[2] >= 2**31:
         return "too many tokens for one launch"
+    align = ROPE_ACCESS_BYTES
+    if any(t.data_ptr() % align for t in (q, k, q_weight, k_weight)) or q.stride(1) * 2 % align:
+        return f"q, k and the norm weights must be {align}-byte aligned ({align}-byte accesses)"
     return None
 
 
@@ -347,6 +351,6 @@ def rms_rope_split_half_(q, k, freqs, q_weight, k_weight, epsilon: float, rot_di
     tokens, heads = q.shape[1], q.shape[2]
     params = _RmsRopeParams(q.data_ptr(), k.data_ptr(), q.stride(1), freqs.data_ptr(), q_weight.data_ptr(),
                             k_weight.data_ptr(), tokens, heads, ROPE_HEAD_DIM, rot_dim, float(epsilon))
-    grid = max(1, min(-(-(tokens * heads) // (ROPE_THREADS // 32)), mod.sm_count * 32))
+    grid = max(1, min(-(-(tokens * heads) // (ROPE_THREADS // ROPE_THREADS_PER_HEAD)), mod.sm_count * 32))
     mod.launch("h3_rms_rope_split_half", grid, ROPE_THREADS, params, stream)
     return q, k

@@ -48,3 +48,16 @@ def test_matches_comfy_kitchen(rows, case):
     ops.rms_rope_split_half_(q, k, freqs, qw, kw, 1e-5, 96)
     diff = (stock.view(torch.int16) != fused.view(torch.int16)).sum().item()
     assert diff == 0, f"{diff} elements differ ({case}, rows {rows}, seed {seed})"
+
+
+def test_unaligned_views_are_refused_with_a_reason():
+    """8-byte accesses need aligned q/k rows; anything else is left to comfy-kitchen (the block falls back)."""
+    from h3_fused_nvfp4.kernels import ops
+
+    qkv = torch.zeros(8, 3 * 7168 + 2, device="cuda", dtype=torch.bfloat16)
+    freqs = _rope_table(8)
+    qw = torch.ones(128, device="cuda", dtype=torch.bfloat16)
+    q, k = _views(qkv[:, 1:1 + 2 * 7168])  # q starts 2 bytes into the row
+    assert "aligned" in ops.rms_rope_support(q, k, freqs, qw, qw, 96)
+    with pytest.raises(ValueError, match="aligned"):
+        ops.rms_rope_split_half_(q, k, freqs, qw, qw, 1e-5, 96)
