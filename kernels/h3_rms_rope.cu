@@ -46,59 +46,47 @@ NVFP4_DEVICE float add_ftz(float a, float b) {
     return r;
 }
 
-// ---- V consecutive elements per access -----------------------------------------------------------------------
-// T = 32 / V threads per (token, head). Thread t holds lanes V t .. V t + V-1 of the mapping above: elements
-// e = V t + j + 32 s (j < V, s = 0..3), so every access is 2V bytes wide and a warp works on V heads. The sum is
-// comfy-kitchen's, term for term: each of the thread's V lane partials is its own fma chain over s, and the
-// shfl_down tree is replayed on the lane numbering (lane offsets >= V are shuffles by offset / V threads, smaller
-// ones are additions inside the thread). Rotation partners are in thread t ^ (16 / V) (for t < T/2 slot s pairs
-// with the partner's slot s+1 mod 3, else s+2); 48 is a multiple of V, so no access straddles a pair boundary.
+// ---- 8 threads per (token, head), 4 consecutive elements (8 bytes) per access ----------------------------------
+// Thread t (t = lane % 8) holds lanes 4t .. 4t+3 of the mapping above: elements e = 4t + j + 32 s (j, s = 0..3),
+// and a warp works on 4 heads. The sum is comfy-kitchen's, term for term: each of the thread's 4 lane partials is
+// its own fma chain over s, and the shfl_down tree is replayed on the lane numbering (lane offsets 16, 8, 4 are
+// shuffles by 4, 2, 1 threads; offsets 2 and 1 are additions inside the thread). Rotation partners are in thread
+// t ^ 4 (for t < 4 slot s pairs with the partner's slot s+1 mod 3, else s+2); 48 is a multiple of 4, so no access
+// straddles a pair boundary.
+#define ROPE_THREADS_PER_HEAD 8
 
-template <int V> struct Vec;
-template <> struct Vec<4> {
-    static __device__ __forceinline__ void load(const u16* p, u32 w[2]) {
-        const u64 v = *reinterpret_cast<const u64*>(p);
-        w[0] = (u32)v; w[1] = (u32)(v >> 32);
-    }
-    static __device__ __forceinline__ void store(u16* p, const u32 w[2]) {
-        *reinterpret_cast<u64*>(p) = (u64)w[0] | ((u64)w[1] << 32);
-    }
-};
-
-template <int V>
-NVFP4_DEVICE void load_values(const u16* p, float v[V]) {
-    u32 w[V / 2];
-    Vec<V>::load(p, w);
-#pragma unroll
-    for (int i = 0; i < V / 2; ++i) { v[2 * i] = bf16_lo(w[i]); v[2 * i + 1] = bf16_hi(w[i]); }
+NVFP4_DEVICE void load4(const u16* p, float v[4]) {
+    const u64 w = *reinterpret_cast<const u64*>(p);
+    v[0] = bf16_lo((u32)w); v[1] = bf16_hi((u32)w); v[2] = bf16_lo((u32)(w >> 32)); v[3] = bf16_hi((u32)(w >> 32));
+}
+NVFP4_DEVICE void store4(u16* p, u32 lo, u32 hi) {
+    *reinterpret_cast<u64*>(p) = (u64)lo | ((u64)hi << 32);
 }
 
-// Normalized elements n[s][j] of one head, from the T threads of its group (group_mask: those lanes).
-template <int V>
-NVFP4_DEVICE void rms_normalize_vec(const u16* head, const u16* weight, float head_dim, float eps, u32 t,
-                                    u32 group_mask, float n[4][V]) {
-    constexpr int T = 32 / V;
-    float x[4][V];
+// Normalized elements n[s][j] of one head, from the 8 threads of its group (group_mask: those lanes).
+NVFP4_DEVICE void rms_normalize(const u16* head, const u16* weight, float head_dim, float eps, u32 t,
+                                u32 group_mask, float n[4][4]) {
+    float x[4][4];
 #pragma unroll
-    for (int s = 0; s < 4; ++s) load_values<V>(head + V * t + 32 * s, x[s]);
-    float v[V];  // v[j]: the partial sum of lane V t + j
+    for (int s = 0; s < 4; ++s) load4(head + 4 * t + 32 * s, x[s]);
+    float v[4];  // v[j]: the partial sum of lane 4t + j
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
+    for (int j = 0; j < 4; ++j) {
         v[j] = 0.0f;
 #pragma unroll
         for (int s = 0; s < 4; ++s) v[j] = fma_ftz(x[s][j], x[s][j], v[j]);
     }
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        if (off >= V) {
+    for (int threads = 4; threads > 0; threads >>= 1) {  // lane offsets 16, 8, 4
 #pragma unroll
-            for (int j = 0; j < V; ++j) v[j] = add_ftz(v[j], __shfl_down_sync(group_mask, v[j], off / V, T));
-        } else {
-#pragma unroll
-            for (int j = 0; j < off; ++j) v[j] = add_ftz(v[j], v[j + off]);
+        for (int j = 0; j < 4; ++j) {
+            v[j] = add_ftz(v[j], __shfl_down_sync(group_mask, v[j], threads, ROPE_THREADS_PER_HEAD));
         }
     }
-    const float sum = __shfl_sync(group_mask, v[0], 0, T);
+    v[0] = add_ftz(v[0], v[2]);  // lane offset 2
+    v[1] = add_ftz(v[1], v[3]);
+    v[0] = add_ftz(v[0], v[1]);  // lane offset 1
+    const float sum = __shfl_sync(group_mask, v[0], 0, ROPE_THREADS_PER_HEAD);
     float r;
     asm("{ .reg .f32 t;\n"
         "  div.approx.ftz.f32 t, %1, %2;\n"
@@ -106,71 +94,60 @@ NVFP4_DEVICE void rms_normalize_vec(const u16* head, const u16* weight, float he
         "  rsqrt.approx.ftz.f32 %0, t; }" : "=f"(r) : "f"(sum), "f"(head_dim), "f"(eps));
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
-        float w[V];
-        load_values<V>(weight + V * t + 32 * s, w);
+        float w[4];
+        load4(weight + 4 * t + 32 * s, w);
 #pragma unroll
-        for (int j = 0; j < V; ++j) n[s][j] = bf16_to_f32(f32_to_bf16(mul_ftz(mul_ftz(r, x[s][j]), w[j])));
+        for (int j = 0; j < 4; ++j) n[s][j] = bf16_to_f32(f32_to_bf16(mul_ftz(mul_ftz(r, x[s][j]), w[j])));
     }
 }
 
-template <int V>
-NVFP4_DEVICE void rotate_store_vec(u16* head, const u16* freq_row, u32 t, u32 group_mask, const float n[4][V]) {
-    constexpr int T = 32 / V;
-    float p[3][V];  // the partner's slots 0..2, exchanged as packed bf16 (n is bf16-exact)
+// Rotate and store one head in place (rot_dim 96: pairs (i, i + 48)).
+NVFP4_DEVICE void rotate_store(u16* head, const u16* freq_row, u32 t, u32 group_mask, const float n[4][4]) {
+    float p[3][4];  // the partner's slots 0..2, exchanged as packed bf16 (n is bf16-exact)
 #pragma unroll
     for (int s = 0; s < 3; ++s) {
-#pragma unroll
-        for (int i = 0; i < V / 2; ++i) {
-            const u32 pair = __shfl_xor_sync(group_mask, pack_bf16x2(n[s][2 * i], n[s][2 * i + 1]), T / 2, T);
-            p[s][2 * i] = bf16_lo(pair);
-            p[s][2 * i + 1] = bf16_hi(pair);
-        }
+        const u32 lo = __shfl_xor_sync(group_mask, pack_bf16x2(n[s][0], n[s][1]), 4, ROPE_THREADS_PER_HEAD);
+        const u32 hi = __shfl_xor_sync(group_mask, pack_bf16x2(n[s][2], n[s][3]), 4, ROPE_THREADS_PER_HEAD);
+        p[s][0] = bf16_lo(lo); p[s][1] = bf16_hi(lo); p[s][2] = bf16_lo(hi); p[s][3] = bf16_hi(hi);
     }
-    const bool low = t < T / 2;
+    const bool low = t < 4;
 #pragma unroll
     for (int s = 0; s < 3; ++s) {
-        const u32 e0 = V * t + 32 * s;              // first element of this slot
+        const u32 e0 = 4 * t + 32 * s;              // first element of this slot
         const bool first = e0 < 48;                 // elements i of pairs (i, i + 48)
         const u32 pair0 = first ? e0 : e0 - 48;
-        u32 out[V / 2];
+        u32 y[4];
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
+        for (int j = 0; j < 4; ++j) {
             const float partner = low ? p[(s + 1) % 3][j] : p[(s + 2) % 3][j];
             const u64 f = *reinterpret_cast<const u64*>(freq_row + 4 * (pair0 + j));  // f00 f01 | f10 f11
             const u32 row0 = (u32)f, row1 = (u32)(f >> 32);
-            const float y = first ? fma_ftz(n[s][j], bf16_lo(row0), mul_ftz(partner, bf16_hi(row0)))
-                                  : fma_ftz(partner, bf16_lo(row1), mul_ftz(n[s][j], bf16_hi(row1)));
-            const u32 bits = f32_to_bf16(y);
-            out[j / 2] = (j & 1) ? (out[j / 2] | (bits << 16)) : bits;
+            y[j] = f32_to_bf16(first ? fma_ftz(n[s][j], bf16_lo(row0), mul_ftz(partner, bf16_hi(row0)))
+                                     : fma_ftz(partner, bf16_lo(row1), mul_ftz(n[s][j], bf16_hi(row1))));
         }
-        Vec<V>::store(head + e0, out);
+        store4(head + e0, y[0] | (y[1] << 16), y[2] | (y[3] << 16));
     }
-    u32 tail[V / 2];  // beyond rot_dim: normalized only
-#pragma unroll
-    for (int i = 0; i < V / 2; ++i) tail[i] = pack_bf16x2(n[3][2 * i], n[3][2 * i + 1]);
-    Vec<V>::store(head + V * t + 96, tail);
+    // beyond rot_dim: normalized only
+    store4(head + 4 * t + 96, pack_bf16x2(n[3][0], n[3][1]), pack_bf16x2(n[3][2], n[3][3]));
 }
 
-template <int V>
-__device__ __forceinline__ void rms_rope_vec_body(const RmsRopeParams& p) {
-    constexpr int T = 32 / V;
-    const u32 lane = threadIdx.x & 31, t = lane & (T - 1);
-    const u32 group_mask = (T == 32 ? 0xFFFFFFFFu : ((1u << T) - 1u)) << (lane & ~(u32)(T - 1));
-    const u32 groups_total = gridDim.x * (ROPE_THREADS / T);
+// q, k rows and the norm weights must be 8-byte aligned (kernels/ops.py checks).
+extern "C" __global__ void __launch_bounds__(ROPE_THREADS) h3_rms_rope_split_half(const RmsRopeParams p) {
+    const u32 lane = threadIdx.x & 31, t = lane % ROPE_THREADS_PER_HEAD;
+    const u32 group_mask = 0xFFu << (lane & ~7u);
+    const u32 groups_total = gridDim.x * (ROPE_THREADS / ROPE_THREADS_PER_HEAD);
     const u32 items = (u32)p.tokens * (u32)p.heads;
     const float head_dim = (float)p.head_dim;
-    for (u32 item = (blockIdx.x * ROPE_THREADS + threadIdx.x) / T; item < items; item += groups_total) {
+    for (u32 item = (blockIdx.x * ROPE_THREADS + threadIdx.x) / ROPE_THREADS_PER_HEAD; item < items;
+         item += groups_total) {
         const u32 token = item / (u32)p.heads;
         const u32 h = item - token * (u32)p.heads;
         const i64 offset = (i64)token * p.row_stride + (i64)h * p.head_dim;
         const u16* freq_row = p.freqs + (i64)token * (p.rot_dim / 2) * 4;
-        float nq[4][V], nk[4][V];
-        rms_normalize_vec<V>(p.q + offset, p.q_weight, head_dim, p.eps, t, group_mask, nq);
-        rms_normalize_vec<V>(p.k + offset, p.k_weight, head_dim, p.eps, t, group_mask, nk);
-        rotate_store_vec<V>(p.q + offset, freq_row, t, group_mask, nq);
-        rotate_store_vec<V>(p.k + offset, freq_row, t, group_mask, nk);
+        float nq[4][4], nk[4][4];
+        rms_normalize(p.q + offset, p.q_weight, head_dim, p.eps, t, group_mask, nq);
+        rms_normalize(p.k + offset, p.k_weight, head_dim, p.eps, t, group_mask, nk);
+        rotate_store(p.q + offset, freq_row, t, group_mask, nq);
+        rotate_store(p.k + offset, freq_row, t, group_mask, nk);
     }
 }
-
-// 8-byte accesses, 8 threads per head: q, k rows and the norm weights must be 8-byte aligned (kernels/ops.py).
-extern "C" __global__ void __launch_bounds__(ROPE_THREADS) h3_rms_rope_split_half(const RmsRopeParams p) { rms_rope_vec_body<4>(p); }

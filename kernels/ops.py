@@ -314,7 +314,7 @@ class _RmsRopeParams(ctypes.Structure):
 
 ROPE_THREADS = 256  # must match h3_rms_rope.cu
 ROPE_HEAD_DIM, ROPE_ROT_DIM = 128, 96
-ROPE_THREADS_PER_HEAD, ROPE_ACCESS_BYTES = 8, 8  # must match h3_rms_rope.cu (rms_rope_vec_body<4>)
+ROPE_THREADS_PER_HEAD = 8  # must match h3_rms_rope.cu; each thread accesses 8 bytes at a time
 
 
 def rms_rope_support(q, k, freqs, q_weight, k_weight, rot_dim) -> str | None:
@@ -335,9 +335,8 @@ def rms_rope_support(q, k, freqs, q_weight, k_weight, rot_dim) -> str | None:
         return "norm weights must be contiguous [head_dim]"
     if s * q.shape[2] >= 2**31:
         return "too many tokens for one launch"
-    align = ROPE_ACCESS_BYTES
-    if any(t.data_ptr() % align for t in (q, k, q_weight, k_weight)) or q.stride(1) * 2 % align:
-        return f"q, k and the norm weights must be {align}-byte aligned ({align}-byte accesses)"
+    if any(t.data_ptr() % 8 for t in (q, k, q_weight, k_weight)) or q.stride(1) % 4:
+        return "q, k and the norm weights must be 8-byte aligned (the kernel makes 8-byte accesses)"
     return None
 
 
