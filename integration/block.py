@@ -1,53 +1,64 @@
-"""Fused forwards for ComfyUI's MiniMax H3 ``DiTBlock`` and its SwiGLU ``MLP``, installed as object patches.
+"""Fused forwards for ComfyUI's MiniMax H3 ``DiTBlock``, its ``Attention`` and SwiGLU ``MLP`` (object patches).
 
-Stock ``DiTBlock.forward`` (comfy/ldm/minimax/model.py) and what changes here:
+Stock ``DiTBlock.forward`` (comfy/ldm/minimax/model.py) and what runs here instead:
 
-    ada = adaln_proj(t_emb)                          unchanged
-    h = norm1(x)                                     unchanged (torch's F.rms_norm; see "RMSNorm" below)
-    h = h * (1 + scale_msa) + shift_msa   per seg    -> folded into qkv_proj's reduction and pack kernels
-    x += attn(h) * gate_msa               per seg    -> ComfyUI's own Attention.forward runs on the norm output;
-                                                        its qkv_proj call reads the modulation on the fly;
-                                                        the gated residual is one in-place kernel
-    h = norm2(x); h = modulate(h, mlp rows)          -> folded into fc1's kernels
-    x += fc2(silu(gate) * up) * gate_mlp  per seg    -> SwiGLU folded into fc2's kernels; one residual kernel
+    ada = adaln_proj(t_emb)                               unchanged (ComfyUI's module)
+    h = _mod_scale_shift(norm1(x), shift, scale, segs)    -> norm statistics (one read of x) + qkv_proj's pack,
+                                                             which normalizes and modulates on the fly
+    x = _mod_gate(x, gate, attention(h), segs)            -> ComfyUI's Attention sequence (FusedAttention: the
+                                                             RMSNorm + RoPE kernel), one gated-residual kernel that
+                                                             also produces norm2's statistics and fc1's amax
+    h = _mod_scale_shift(norm2(x), ...)                   -> folded into fc1's pack
+    return _mod_gate(x, gate, mlp(h), segs)               -> SwiGLU folded into fc2's reduction and pack; the last
+                                                             residual kernel also produces the NEXT block's norm1
+                                                             statistics and qkv amax when that block is ours too
 
-So the modulated activations and the [S, 14336] SwiGLU product are never written to memory, and every layout
-stays as ComfyUI has it: q/k/v remain views of qkv_proj's output, RMSNorm + RoPE runs in place on them
-(``FusedAttention``: a bit-identical kernel instead of comfy-kitchen's, one pass instead of two), attention is
-ComfyUI's ``optimized_attention`` (the user's backend, overrides and sparse attention included), and out_proj's
-pack reads whatever layout attention returned. No layout copy is made here. Attention gets token-major
-``[1, S, H*D]`` views (``skip_reshape=False``) unless another node installed an attention override (then the
-stock head-major call): PyTorch attention sees the same views as stock and copies nothing; SageAttention runs its
-NHD path, whose output is out_proj's input as is (stock H3 takes the HND path: ComfyUI then copies the output back
-to token-major, and SageAttention quantizes from head-major views).
+So the normalized and modulated activations, the [S, 14336] SwiGLU product and the norm outputs are never written
+to memory, and every layout stays ComfyUI's. Each fused op reproduces ComfyUI's arithmetic bit for bit (kernels/
+nvfp4_pack.cu says how); the first patched block of a model checks that on the real input (integration/
+selfcheck.py). RMSNorm folding needs torch's CUDA ``rms_norm`` arithmetic reproduced for the running torch;
+where the self-check finds it does not hold, torch's norm runs and the kernels read its output.
 
-Synchronization of the global scale: each NVFP4 input's amax is produced by the reduction kernel of that
-layer (last CTA writes g and alpha to device memory) and consumed by the pack kernel and the GEMM that follow on
-the same stream, so stream order is the only synchronization; the host never waits.
-
-RMSNorm is not folded: torch's fused rms_norm reduction order is an implementation detail of each torch release,
-so a re-implementation could not promise equal bits. The kernels read the norm output instead.
-
-Fallbacks keep exactness: a call the kernels cannot take (LoRA patches, a custom ``attention`` callable from
-another node, torch.compile tracing, ...) runs the stock op sequence (reference/h3_ops.py) for that step.
-Tensors off the GPU go through reference/fused_ops.py, the Python twin of the kernels (tests).
+Fallbacks: a call the kernels cannot take runs ComfyUI's own code for that step (the block's module helpers
+``_mod_scale_shift`` / ``_mod_gate``, the stock forwards), with the reason logged once. Tensors off the GPU go
+through reference/fused_ops.py, the Python twin of the kernels (tests).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 
 import torch
 
-from ..kernels import ops, runtime
-from ..reference import h3_ops
-from .linear import FusedNVFP4Linear, backend_for
+from ..kernels import runtime
+from ..layout import Modulation, RmsNorm
+from .linear import FusedNVFP4Linear, allocation_context, backend_for, note_fallback
+from . import selfcheck
+
+# Rows of the real input the first patched block compares stock vs fused on (bounded extra memory, every
+# segment kind of the packed sequence still present: text, audio and the start of the video).
+BLOCK_CHECK_ROWS = 4096
+
+
+def modulation_index(segments, rows: int) -> torch.Tensor:
+    """int32 [rows] modulation row of every token (CPU tensor; per-token row tensors are filled in later)."""
+    index = torch.empty(rows, dtype=torch.int32)
+    covered = 0
+    for a, b, row in segments:
+        if a != covered:
+            raise ValueError(f"modulation segments must cover the sequence contiguously; gap at row {covered}")
+        index[a:b] = 0 if isinstance(row, torch.Tensor) else int(row)
+        covered = b
+    if covered != rows:
+        raise ValueError(f"modulation segments cover {covered} of {rows} rows")
+    return index
 
 
 class ModulationIndexCache:
-    """int32 per-token modulation rows on the device, built once per forward (the segment list is shared by
-    all blocks of a forward) from ComfyUI's ``mod_segments``."""
+    """int32 per-token modulation rows on the device, built once per forward (all blocks of a forward share the
+    segment list) from ComfyUI's ``mod_segments``, without waiting for the GPU."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -59,7 +70,7 @@ class ModulationIndexCache:
         parts = []
         for a, b, row in segments:
             if isinstance(row, torch.Tensor):
-                parts.append((a, b, id(row), row.data_ptr(), row._version))
+                parts.append((a, b, id(row), row.data_ptr(), tensor_version(row)))
             else:
                 parts.append((a, b, int(row)))
         return (rows, str(device), tuple(parts))
@@ -68,42 +79,32 @@ class ModulationIndexCache:
         key = self._key_of(segments, rows, device)
         with self._lock:
             if self._key != key:
-                # Integer rows are filled on the host and copied without blocking; per-token row tensors (denoise
-                # masks) are copied device to device, so building the index never waits for the GPU.
-                host_segments = [(a, b, 0 if isinstance(r, torch.Tensor) else r) for a, b, r in segments]
-                index = h3_ops.modulation_index(host_segments, rows)
+                host = modulation_index(segments, rows)
                 if device.type == "cuda":
-                    index = index.pin_memory().to(device, non_blocking=True)
+                    host = host.pin_memory()
+                    index = host.to(device, non_blocking=True)
+                else:
+                    index = host
                 for a, b, r in segments:
                     if isinstance(r, torch.Tensor):
                         index[a:b].copy_(r.to(device=device, dtype=torch.int32, non_blocking=True))
-                # Keep the segment tensors referenced so their ids cannot be reused by new tensors.
-                self._key, self._value = key, (index, [r for _, _, r in segments if isinstance(r, torch.Tensor)])
+                # Keep the pinned source (a CUDA graph may replay the copy) and the segment tensors (their ids are
+                # part of the key) alive with the index.
+                self._key, self._value = key, (index, host, [r for _, _, r in segments if isinstance(r, torch.Tensor)])
             return self._value[0]
 
 
-def _bf16_table(table: torch.Tensor) -> torch.Tensor:
-    # Stock code converts each gathered row with .to(x.dtype); converting the whole table is the same rounding.
-    return table if table.dtype == torch.bfloat16 else table.to(torch.bfloat16)
-
-
-def _fused_backend(x: torch.Tensor):
-    """The fused-op backend for this block call, or None when the stock forward must run."""
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or torch.compiler.is_compiling():
+def tensor_version(t: torch.Tensor):
+    """``t._version``, or None for inference tensors (which track no version; ComfyUI samples in inference mode)."""
+    try:
+        return t._version
+    except RuntimeError:
         return None
-    try:
-        return backend_for(x)
-    except runtime.KernelBuildError:
-        return None  # FusedNVFP4Linear logs the build failure once per layer
 
 
-def _cast_weight(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
-    try:
-        import comfy.model_management
-
-        return comfy.model_management.cast_to(weight, device=device)
-    except ImportError:
-        return weight.to(device)
+def _bf16_table(table: torch.Tensor) -> torch.Tensor:
+    # ComfyUI converts each gathered modulation row with .to(x.dtype); converting the whole table rounds the same.
+    return table if table.dtype == torch.bfloat16 else table.to(torch.bfloat16)
 
 
 def _in_training() -> bool:
@@ -115,136 +116,454 @@ def _in_training() -> bool:
         return False
 
 
+def _cast_weight(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
+    try:
+        import comfy.model_management
+
+        return comfy.model_management.cast_to(weight, device=device)
+    except ImportError:
+        return weight.to(device)
+
+
+@contextlib.contextmanager
+def _cast_norm_weight(norm, x: torch.Tensor):
+    """The weight of a ComfyUI RMSNorm the way its forward obtains it (offloaded or dynamic-VRAM weights)."""
+    try:
+        import comfy.ops
+
+        context = comfy.ops.CastBiasWeightContext if getattr(norm, "comfy_cast_weights", False) else None
+    except (ImportError, AttributeError):
+        context = None
+    if context is None:
+        yield norm.weight.to(device=x.device)
+    else:
+        with context(norm, x, offloadable=True) as (weight, _):
+            yield weight
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class FusedAttention:
-    """``Attention.forward`` of an H3 DiTBlock with comfy-kitchen's rms_rope_split_half_ replaced by the
+    """``Attention.forward`` of an H3 DiTBlock with comfy-kitchen's ``rms_rope_split_half_`` replaced by the
     bit-identical kernels/h3_rms_rope.cu (one read and one write of q and k instead of two reads).
 
-    Everything else is ComfyUI's sequence: qkv_proj (fused pack when patched), q/k/v views of its output, the
-    attention function the block's own module imports (``optimized_attention``: the user's backend, overrides
-    and sparse attention), ``AttentionTensorContainer`` boxes where that module has them, out_proj. Anything
-    the kernel does not take (training, another layout) runs the layer's stock forward or comfy-kitchen's op.
+    Everything else is ComfyUI's sequence: qkv_proj (the fused pack when patched), q/k/v views of its output, the
+    attention function the block's own module imports (``optimized_attention``: the user's backend, overrides and
+    sparse attention), ``AttentionTensorContainer`` boxes, out_proj. ``qkv_source`` (from ``FusedDiTBlock``) makes
+    qkv_proj read the norm input and normalize / modulate on the fly.
     """
 
-    def __init__(self, attn):
+    def __init__(self, attn, name: str, qkv: FusedNVFP4Linear | None):
         self.attn = attn
+        self.name = name
+        self.qkv = qkv
         self.stock_forward = type(attn).forward.__get__(attn)
         module = sys.modules.get(type(attn).__module__)
         self.attention_function = getattr(module, "optimized_attention", None)
         self.container = getattr(module, "AttentionTensorContainer", None)
 
-    def __call__(self, x, rope_freqs=None, transformer_options={}):
+    def _project_qkv(self, x, qkv_source):
+        if qkv_source is None:
+            return self.attn.qkv_proj(x)
+        if self.qkv is None:  # qkv_proj is not an NVFP4 layer: ComfyUI's modulated input, its own Linear
+            return self.attn.qkv_proj(qkv_source.stock())
+        return self.qkv(x, source=qkv_source)
+
+    def _rope(self, q, k, rope_freqs, x):
         attn = self.attn
-        if rope_freqs is None or self.attention_function is None or _in_training() or not x.is_cuda:
-            return self.stock_forward(x, rope_freqs=rope_freqs, transformer_options=transformer_options)
-        s = x.shape[0]
-        heads, head_dim = attn.heads, attn.head_dim
-        q, k, v = attn.qkv_proj(x).split(heads * head_dim, dim=-1)
-        v = v.view(s, heads, head_dim)
-        q = q.view(1, s, heads, head_dim)
-        k = k.view(1, s, heads, head_dim)
         qw = _cast_weight(attn.q_norm.weight, x.device)
         kw = _cast_weight(attn.k_norm.weight, x.device)
         rot = rope_freqs.shape[-3] * 2
-        fused = ops.rms_rope_support(q, k, rope_freqs, qw, kw, rot) is None
-        if fused:
+        backend = backend_for(x)
+        reason = selfcheck.op_refusal(x.device, "rms_rope") or backend.rms_rope_support(q, k, rope_freqs, qw, kw, rot)
+        if reason is None:
             try:
-                ops.rms_rope_split_half_(q, k, rope_freqs, qw, kw, attn.q_norm.eps, rot)
-            except runtime.KernelBuildError:  # the kernel did not build or launch; q and k are untouched
-                fused = False
-        if not fused:
-            import comfy_kitchen as ck
+                backend.rms_rope_split_half_(q, k, rope_freqs, qw, kw, attn.q_norm.eps, rot)
+                return
+            except runtime.KernelBuildError as exc:  # the kernel did not build or launch; q and k are untouched
+                reason = f"kernel failed: {exc}"
+        note_fallback(f"{self.name} RMSNorm+RoPE", reason)
+        import comfy_kitchen as ck
 
-            ck.rms_rope_split_half_(q, k, rope_freqs, qw, kw, epsilon=attn.q_norm.eps, rot_dim=rot)
+        ck.rms_rope_split_half_(q, k, rope_freqs, qw, kw, epsilon=attn.q_norm.eps, rot_dim=rot)
+
+    def __call__(self, x, rope_freqs=None, transformer_options={}, *, qkv_source=None):
+        attn = self.attn
+        if rope_freqs is None or self.attention_function is None or _in_training():
+            h = qkv_source.stock() if qkv_source is not None else x
+            return self.stock_forward(h, rope_freqs=rope_freqs, transformer_options=transformer_options)
+        s = x.shape[0]
+        heads, head_dim = attn.heads, attn.head_dim
+        q, k, v = self._project_qkv(x, qkv_source).split(heads * head_dim, dim=-1)
+        q = q.view(1, s, heads, head_dim)
+        k = k.view(1, s, heads, head_dim)
+        self._rope(q, k, rope_freqs, x)
         boxes = self.container or (lambda t: t)
         preferred = getattr(attn, "comfy_attention", None)
         if (transformer_options or {}).get("optimized_attention_override") is None:
             # Token-major [1, S, H*D] views (ComfyUI's usual calling convention, skip_reshape=False): every backend
-            # reshapes them itself without a copy. SageAttention then runs its NHD path and returns [1, S, H, D],
-            # which is out_proj's input as is; PyTorch SDPA receives the same [1, H, S, D] views as stock.
+            # reshapes them without a copy. SageAttention then runs its NHD path and returns [1, S, H, D], out_proj's
+            # input as is; PyTorch SDPA receives the same [1, H, S, D] views as stock.
             inner = heads * head_dim
-            q, k, v = (boxes(t.view(1, s, inner)) for t in (q, k, v))
+            q, k, v = (boxes(t.reshape(1, s, inner)) for t in (q, k, v.view(1, s, heads, head_dim)))
             out = self.attention_function(q, k, v, heads, preferred_attention=preferred, mask=None,
                                           skip_reshape=False, transformer_options=transformer_options)
         else:  # another node's override gets exactly the stock call (head-major views, skip_reshape=True)
             q = boxes(q[0].transpose(0, 1).unsqueeze(0))
             k = boxes(k[0].transpose(0, 1).unsqueeze(0))
-            v = boxes(v.transpose(0, 1).unsqueeze(0))
+            v = boxes(v.view(s, heads, head_dim).transpose(0, 1).unsqueeze(0))
             out = self.attention_function(q, k, v, heads, preferred_attention=preferred, mask=None,
                                           skip_reshape=True, transformer_options=transformer_options)
         return attn.out_proj(out.squeeze(0))
 
 
+class LinearSource:
+    """What an NVFP4 Linear's pack reads its input through: the raw tensor the caller passes, normalized
+    (``norm``: RMSNorm statistics already computed on the stream) and/or modulated, with the global scale already
+    reduced on the device (``global_scale``) or not. ``stock()`` rebuilds the layer input with ComfyUI's own code
+    when the fused path refuses."""
+
+    def __init__(self, stock, *, modulation: Modulation | None = None, norm: RmsNorm | None = None,
+                 global_scale: torch.Tensor | None = None):
+        self.stock = stock
+        self.modulation = modulation
+        self.norm = norm
+        self.global_scale = global_scale
+
+
 class FusedSwigluMLP:
     """``MLP.forward``: ``fc2(silu(gate) * up)`` with the SwiGLU computed inside fc2's reduction and pack.
 
-    ``fc1_modulation`` lets the block hand fc1 the adaLN modulation of this call (fc1 then reads the norm
-    output and modulates on the fly).
-    """
+    ``fc1_source`` lets the block hand fc1 its normalized / modulated input description."""
 
-    def __init__(self, mlp, fc1: FusedNVFP4Linear | None, fc2: FusedNVFP4Linear | None):
+    def __init__(self, mlp, name: str, fc1: FusedNVFP4Linear | None, fc2: FusedNVFP4Linear | None):
         self.mlp = mlp
+        self.name = name
         self.fc1 = fc1
         self.fc2 = fc2
         self.stock_forward = type(mlp).forward.__get__(mlp)
 
-    def __call__(self, x: torch.Tensor, modulation=None, stock_modulated=None):
+    def stock_fc2(self, y):
+        """fc2 of SwiGLU(y) exactly as ComfyUI's MLP.forward runs it."""
+        try:
+            import comfy.ops
+
+            if hasattr(comfy.ops, "linear_input_act"):
+                return comfy.ops.linear_input_act(self.mlp.fc2, y, "swiglu")
+        except ImportError:
+            pass
+        gate, up = y.chunk(2, dim=-1)
+        return self.mlp.fc2(torch.nn.functional.silu(gate).mul_(up))
+
+    def __call__(self, x: torch.Tensor, *, fc1_source: LinearSource | None = None):
         if self.fc1 is not None:
-            y = self.fc1(x, modulation=modulation, stock_input=stock_modulated)
+            y = self.fc1(x, source=fc1_source)
         else:
-            y = self.mlp.fc1(stock_modulated() if stock_modulated is not None else x)
+            y = self.mlp.fc1(fc1_source.stock() if fc1_source is not None else x)
         if self.fc2 is None:
-            return self.mlp.fc2(h3_ops.swiglu(y))
-        return self.fc2(y, swiglu=True, stock_input=lambda: h3_ops.swiglu(y))
+            return self.stock_fc2(y)
+        return self.fc2(y, swiglu=True, stock=lambda: self.stock_fc2(y))
+
+
+class ModelState:
+    """State shared by the patches of one patched model clone: the modulation index of the current forward, the
+    block self-check's verdict, and the hand-over of norm statistics from one block to the next."""
+
+    def __init__(self, report_key: str = ""):
+        self.index_cache = ModulationIndexCache()
+        self.block_check = "pending"  # "pending" | "passed" | "failed" | "off"
+        self.block_check_detail = ""
+        self.report_key = report_key
+        self.handoff = None  # (block index, key, Handoff) written by block i for block i + 1
+        self.lock = threading.Lock()
+
+
+class Handoff:
+    """What block i's last residual computed for block i + 1: its modulation rows, norm1 statistics and, for a
+    dynamic qkv_proj, the global scale."""
+
+    def __init__(self, rows, norm: RmsNorm, global_scale: torch.Tensor | None):
+        self.rows = rows
+        self.norm = norm
+        self.global_scale = global_scale
 
 
 class FusedDiTBlock:
-    """``DiTBlock.forward`` with modulation, SwiGLU and gated residuals fused (see the module docstring)."""
+    """``DiTBlock.forward`` with modulation, RMSNorm, SwiGLU and the gated residuals fused (module docstring)."""
 
-    def __init__(self, block, name: str, qkv: FusedNVFP4Linear | None, mlp: FusedSwigluMLP,
-                 index_cache: ModulationIndexCache):
+    def __init__(self, block, name: str, index: int, attention: FusedAttention, mlp: FusedSwigluMLP,
+                 state: ModelState):
         self.block = block
         self.name = name
-        self.qkv = qkv
+        self.index = index
+        self.attention = attention
         self.mlp = mlp
-        self.index_cache = index_cache
+        self.state = state
+        self.next: FusedDiTBlock | None = None  # set by integration/patch.py when block index + 1 is patched too
         self.stock_forward = type(block).forward.__get__(block)
+        module = sys.modules.get(type(block).__module__)
+        self.mod_scale_shift = getattr(module, "_mod_scale_shift")
+        self.mod_gate = getattr(module, "_mod_gate")
+        self._workspace = {}
 
-    def _residual(self, backend, x, gate, other, segments, index):
-        if other.shape == x.shape and backend.pack_support(other) is None:
-            try:
-                return backend.gated_residual_(x, other, _bf16_table(gate), index)
-            except ValueError:  # unaligned views and the like: the stock per-segment addcmul_ is exact too
-                pass
-        return h3_ops.gated_residual_(x, gate, other, segments)
+    @contextlib.contextmanager
+    def unpatched(self):
+        """ComfyUI's own forwards on this block's submodules for the duration (this pack's object patches lifted):
+        the stock arm of the block self-check."""
+        block = self.block
+        saved = []
+        for module in (block.attn, block.attn.qkv_proj, block.attn.out_proj, block.mlp, block.mlp.fc1, block.mlp.fc2):
+            forward = module.__dict__.get("forward")
+            if isinstance(forward, (FusedNVFP4Linear, FusedAttention, FusedSwigluMLP)):
+                saved.append((module, forward))
+                del module.__dict__["forward"]
+        try:
+            yield
+        finally:
+            for module, forward in saved:
+                module.__dict__["forward"] = forward
 
-    def _modulation(self, scale, shift, index):
-        return ops.Modulation(_bf16_table(scale), _bf16_table(shift), index)
+    # ---- decisions -----------------------------------------------------------------------------------------
+
+    def refusal(self, x) -> str | None:
+        if x.dtype != torch.bfloat16 or x.dim() != 2:
+            return f"input {tuple(x.shape)} {x.dtype} is not a 2-D bfloat16 token matrix"
+        if torch.compiler.is_compiling():
+            return "inside torch.compile (the stock block is traced instead)"
+        if _in_training():
+            return "ComfyUI is training"
+        try:
+            if backend_for(x) is None:
+                return "no fused backend for this device"
+        except runtime.KernelBuildError as exc:
+            return f"kernels unavailable: {exc}"
+        if self.state.block_check == "failed":
+            return f"the block self-check found a difference: {self.state.block_check_detail}"
+        return selfcheck.op_refusal(x.device, "block")
+
+    def _fold_norm(self, x, norm) -> str | None:
+        """None if RMSNorm ``norm`` can be folded into the kernels for this input, else why not."""
+        if getattr(norm, "weight", None) is None or tuple(getattr(norm, "normalized_shape", ())) != (x.shape[1],):
+            return "the norm has no weight over the hidden size"
+        if getattr(norm, "weight_function", None) or getattr(norm, "bias_function", None):
+            return "the norm weight is patched on the fly"
+        reason = selfcheck.op_refusal(x.device, "rms_norm")
+        if reason is None:
+            reason = backend_for(x).rms_norm_support(x, norm.weight)
+        return reason
+
+    def _norm_weight(self, norm, x, name) -> torch.Tensor:
+        """bf16 norm weight valid for the rest of this forward: the resident parameter itself, or a copy in a
+        persistent buffer when ComfyUI's cast hands out a temporary (offloaded weights)."""
+        with _cast_norm_weight(norm, x) as w:
+            own = getattr(norm, "weight", None)
+            if own is not None and w.data_ptr() == own.data_ptr() and w.dtype == torch.bfloat16:
+                return w
+            key = ("weight", name, w.shape[0], x.device)
+            buf = self._workspace.get(key)
+            if buf is None:
+                with allocation_context():
+                    buf = self._workspace.setdefault(key, torch.empty(w.shape[0], dtype=torch.bfloat16, device=x.device))
+            return buf.copy_(w)
+
+    def _buffers(self, x, name):
+        """Reused per-block device buffers: fp32 rstd [M] and a 2-float scalar slot (global scale, spare)."""
+        key = (name, x.shape[0], x.device)
+        buf = self._workspace.get(key)
+        if buf is None:
+            with allocation_context():
+                buf = (torch.empty(x.shape[0], dtype=torch.float32, device=x.device),
+                       torch.empty(2, dtype=torch.float32, device=x.device))
+            self._workspace = {k: v for k, v in self._workspace.items() if k[0] != name}  # the old row count
+            self._workspace[key] = buf
+        return buf
+
+    # ---- the forward ---------------------------------------------------------------------------------------
 
     def __call__(self, x, t_emb, mod_segments, rope_freqs, transformer_options={}, attention=None):
+        reason = self.refusal(x)
+        if reason is None and self.state.block_check == "pending":
+            if _capturing(x):
+                reason = "the block self-check waits for a call outside CUDA-graph capture"
+            else:
+                return self._block_check(x, t_emb, mod_segments, rope_freqs, transformer_options, attention)
+        if reason is not None:
+            note_fallback(self.name, reason)
+            self._drop_handoff()
+            return self.stock_forward(x, t_emb, mod_segments, rope_freqs, transformer_options=transformer_options,
+                                      attention=attention)
+        return self.fused_forward(x, t_emb, mod_segments, rope_freqs, transformer_options, attention)
+
+    def _drop_handoff(self):
+        self.state.handoff = None
+
+    def _take_handoff(self, x, t_emb, mod_segments):
+        handoff, self.state.handoff = self.state.handoff, None
+        if handoff is None:
+            return None
+        index, key, value = handoff
+        if index != self.index or key != self._handoff_key(x, t_emb, mod_segments):
+            return None
+        return value
+
+    @staticmethod
+    def _handoff_key(x, t_emb, mod_segments):
+        # The residual stream tensor block i returned (same object and storage), the same t_emb and segments. Each
+        # block call takes (clears) the hand-over, so only the call right after block i's can consume it.
+        return (id(x), x.data_ptr(), tuple(x.shape), id(t_emb), t_emb.data_ptr(), tensor_version(x),
+                ModulationIndexCache._key_of(mod_segments, x.shape[0], x.device))
+
+    def _handoff_refusal(self, transformer_options, attention) -> str | None:
+        """Why block i may not compute block i + 1's norm statistics in its last residual (None: it may)."""
+        nxt = self.next
+        if nxt is None:
+            return "the next block is not patched"
+        if attention is not None or (transformer_options or {}).get("optimized_attention_override") is not None:
+            return "another node replaces the attention"
+        replace = ((transformer_options or {}).get("patches_replace") or {}).get("dit", {})
+        if ("double_block", self.index) in replace or ("double_block", nxt.index) in replace:
+            return "a block-replace patch is installed on this or the next block"
+        if (transformer_options or {}).get("prefetch_dynamic_vbars", False):
+            return "ComfyUI prefetches the next block's weights (dynamic VRAM)"
+        if (transformer_options or {}).get("block_index", self.index) != self.index:
+            return "the block is not called from the model's block loop"
+        return None
+
+    def fused_forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options, attention, *, handoff=True):
         block = self.block
-        backend = _fused_backend(x)
-        if backend is None:
-            return self.stock_forward(x, t_emb, mod_segments, rope_freqs,
-                                      transformer_options=transformer_options, attention=attention)
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.adaln_proj(t_emb)
-        index = self.index_cache.get(mod_segments, x.shape[0], x.device)
+        backend = backend_for(x)
+        incoming = self._take_handoff(x, t_emb, mod_segments)
+        rows = incoming.rows if incoming is not None else block.adaln_proj(t_emb)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = rows
+        index = self.state.index_cache.get(mod_segments, x.shape[0], x.device)
+        mod_msa = Modulation(_bf16_table(scale_msa), _bf16_table(shift_msa), index)
+        mod_mlp = Modulation(_bf16_table(scale_mlp), _bf16_table(shift_mlp), index)
 
-        # attention half
-        n1 = block.norm1(x)
-        if attention is None and self.qkv is not None:
-            modulation = self._modulation(scale_msa, shift_msa, index)
-            self.qkv.pending = (modulation, lambda: h3_ops.modulate_(n1, shift_msa, scale_msa, mod_segments))
-            try:
-                out = block.attn(n1, rope_freqs=rope_freqs, transformer_options=transformer_options)
-            finally:
-                self.qkv.pending = None
+        # ---- attention half
+        if attention is None:
+            h, source = self._norm_source(backend, x, block.norm1, mod_msa, "norm1", self.attention.qkv, incoming,
+                                          lambda n: self.mod_scale_shift(n, shift_msa, scale_msa, mod_segments))
+            out = self.attention(h, rope_freqs=rope_freqs, transformer_options=transformer_options, qkv_source=source)
         else:  # another node replaced the attention (e.g. sparse attention): it needs the modulated tensor
-            h = h3_ops.modulate_(n1, shift_msa, scale_msa, mod_segments)
-            out = (attention or block.attn)(h, rope_freqs=rope_freqs, transformer_options=transformer_options)
-        self._residual(backend, x, gate_msa, out, mod_segments, index)
+            h = self.mod_scale_shift(block.norm1(x), shift_msa, scale_msa, mod_segments)
+            out = attention(h, rope_freqs=rope_freqs, transformer_options=transformer_options)
 
-        # MLP half
-        n2 = block.norm2(x)
-        out = self.mlp(n2, modulation=self._modulation(scale_mlp, shift_mlp, index),
-                       stock_modulated=lambda: h3_ops.modulate_(n2, shift_mlp, scale_mlp, mod_segments))
-        return self._residual(backend, x, gate_mlp, out, mod_segments, index)
+        # ---- residual 1, with norm2's statistics and fc1's amax when norm2 folds
+        fold2 = self._fold_norm(x, block.norm2)
+        next_norm = None
+        if fold2 is None:
+            rstd, scalars = self._buffers(x, "norm2")
+            next_norm = RmsNorm(self._norm_weight(block.norm2, x, "norm2"), float(block.norm2.eps), rstd)
+            fc1_dynamic = self.mlp.fc1 is not None and self.mlp.fc1.dynamic_scale()
+            done = self._residual(backend, x, gate_msa, out, mod_segments, index, next_norm, mod_mlp,
+                                  scalars[0:1] if fc1_dynamic else None)
+            if not done:
+                next_norm = None
+            g_fc1 = scalars[0:1] if (next_norm is not None and fc1_dynamic) else None
+        else:
+            note_fallback(f"{self.name}.norm2", f"torch's RMSNorm runs: {fold2}")
+            self._residual(backend, x, gate_msa, out, mod_segments, index, None, None, None)
+            g_fc1 = None
+
+        # ---- MLP half
+        if next_norm is not None:
+            fc1_source = LinearSource(lambda: self.mod_scale_shift(block.norm2(x), shift_mlp, scale_mlp, mod_segments),
+                                      modulation=mod_mlp, norm=next_norm, global_scale=g_fc1)
+            mlp_input = x
+        else:
+            n2 = block.norm2(x)
+            fc1_source = LinearSource(lambda: self.mod_scale_shift(n2, shift_mlp, scale_mlp, mod_segments),
+                                      modulation=mod_mlp)
+            mlp_input = n2
+        out = self.mlp(mlp_input, fc1_source=fc1_source)
+
+        # ---- residual 2, with the next block's norm1 statistics and qkv amax where that block is ours
+        if handoff:
+            reason = self._handoff_refusal(transformer_options, attention)
+            if reason is None:
+                reason = self.next._fold_norm(x, self.next.block.norm1)
+            if reason is None:
+                return self._residual_with_handoff(backend, x, gate_mlp, out, mod_segments, index, t_emb)
+            note_fallback(f"{self.name} -> next block hand-over", reason)
+        self._residual(backend, x, gate_mlp, out, mod_segments, index, None, None, None)
+        return x
+
+    def _residual_with_handoff(self, backend, x, gate, out, mod_segments, index, t_emb):
+        nxt = self.next
+        with allocation_context():
+            rows = nxt.block.adaln_proj(t_emb)  # depends on t_emb only; block i + 1 uses these rows
+        mod = Modulation(_bf16_table(rows[1]), _bf16_table(rows[0]), index)
+        rstd, scalars = nxt._buffers(x, "norm1")
+        qkv_dynamic = nxt.attention.qkv is not None and nxt.attention.qkv.dynamic_scale()
+        norm = RmsNorm(nxt._norm_weight(nxt.block.norm1, x, "norm1"), float(nxt.block.norm1.eps), rstd)
+        done = self._residual(backend, x, gate, out, mod_segments, index, norm, mod,
+                              scalars[0:1] if qkv_dynamic else None)
+        if done:
+            self.state.handoff = (nxt.index, self._handoff_key(x, t_emb, mod_segments),
+                                  Handoff(rows, norm, scalars[0:1] if qkv_dynamic else None))
+        return x
+
+    def _norm_source(self, backend, x, norm, modulation, name, layer, incoming, modulate):
+        """Input and source of the projection after ``norm``: ``x`` normalized on the fly (statistics from the
+        previous block's residual or one statistics pass here), or torch's norm output modulated on the fly.
+        ``modulate(n)`` is ComfyUI's modulation of a norm output (the stock input when the projection refuses)."""
+        reason = self._fold_norm(x, norm)
+        if reason is None and incoming is not None:
+            return x, LinearSource(lambda: modulate(norm(x)), modulation=modulation, norm=incoming.norm,
+                                   global_scale=incoming.global_scale)
+        if reason is None:
+            rstd, scalars = self._buffers(x, name)
+            dynamic = layer is not None and layer.dynamic_scale()
+            rms = RmsNorm(self._norm_weight(norm, x, name), float(norm.eps), rstd)
+            try:
+                backend.norm_statistics(x, rms, modulation=modulation,
+                                        global_scale_out=scalars[0:1] if dynamic else None)
+            except (runtime.KernelBuildError, ValueError) as exc:
+                reason = f"norm statistics kernel failed: {exc}"
+            if reason is None:
+                return x, LinearSource(lambda: modulate(norm(x)), modulation=modulation, norm=rms,
+                                       global_scale=scalars[0:1] if dynamic else None)
+        note_fallback(f"{self.name}.{name}", f"torch's RMSNorm runs: {reason}")
+        n = norm(x)
+        return n, LinearSource(lambda: modulate(n), modulation=modulation)
+
+    def _residual(self, backend, x, gate, other, mod_segments, index, next_norm, next_modulation, global_scale_out):
+        """In place ``x += other * gate[row]``; with ``next_norm`` also that norm's statistics of the new x (and the
+        next projection's global scale). Returns whether the statistics were produced."""
+        reason = selfcheck.op_refusal(x.device, "gated_residual")
+        if reason is None:
+            reason = backend.residual_support(x, other, gate, next_norm=next_norm)
+        if reason is None:
+            try:
+                backend.gated_residual_(x, other, _bf16_table(gate), index, next_norm=next_norm,
+                                        next_modulation=next_modulation, global_scale_out=global_scale_out)
+                return next_norm is not None
+            except (runtime.KernelBuildError, ValueError) as exc:
+                reason = f"kernel failed: {exc}"
+        note_fallback(f"{self.name} gated residual", reason)
+        self.mod_gate(x, gate, other, mod_segments)
+        if next_norm is None:
+            return False
+        try:  # the statistics still save the norm's write and read
+            backend.norm_statistics(x, next_norm, modulation=next_modulation, global_scale_out=global_scale_out)
+            return True
+        except (runtime.KernelBuildError, ValueError):
+            return False
+
+    # ---- the block self-check ------------------------------------------------------------------------------
+
+    def _block_check(self, x, t_emb, mod_segments, rope_freqs, transformer_options, attention):
+        """Run stock and fused on (a prefix of) this call's real input, compare the bytes, record the verdict;
+        return the stock result of the full call. One host sync, on this call only."""
+        options = {k: v for k, v in (transformer_options or {}).items() if k != "optimized_attention_override"}
+        try:
+            with allocation_context():
+                verdict = selfcheck.check_block(self, x, t_emb, mod_segments, rope_freqs, options, BLOCK_CHECK_ROWS)
+        except Exception as exc:  # the check itself must never break the user's graph
+            verdict = selfcheck.BlockVerdict(False, f"the block self-check could not run: {type(exc).__name__}: {exc}")
+        selfcheck.record_block_verdict(self.state, x.device, verdict)
+        self._drop_handoff()
+        return self.stock_forward(x, t_emb, mod_segments, rope_freqs, transformer_options=transformer_options,
+                                  attention=attention)

@@ -5,7 +5,10 @@ Per call it decides whether the fused path applies; if not, it runs the layer's 
 the reason once. The fused path is bit-identical to the stock one:
 
     stock: g = bf16(amax|x| / 2688) -> ck.quantize_nvfp4 -> F.linear(QT, QT) -> ck.scaled_mm_nvfp4 -> [:M, :N]
-    fused: nvfp4_absmax (g and alpha on the device) -> nvfp4_pack -> ck.scaled_mm_nvfp4(alpha=...) -> [:M, :N]
+    fused: reduction (g on the device) -> pack (codes, scales, alpha) -> ck.scaled_mm_nvfp4(alpha=...) -> [:M, :N]
+
+The reduction is skipped where the layer has a static ``input_scale`` or the caller already reduced this input
+(``LinearSource.global_scale``: the block's residual kernels do that for the next projection).
 
 On compute capability < 10 there is no NVFP4 GEMM; ComfyUI itself then keeps these layers in full precision
 (``_full_precision_mm``) and so does this path. When NVFP4 compute is forced on such a GPU (tests, benchmarks),
@@ -17,18 +20,40 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 
 import torch
 
 from ..kernels import ops, runtime
+from ..layout import PackedActivation
 from ..reference import fused_ops as reference_ops
+from . import selfcheck
 
 log = logging.getLogger("h3_fused_nvfp4")
 
 NVFP4_LAYOUT = "TensorCoreNVFP4Layout"
 
+# ---- one log line per fallback reason ----------------------------------------------------------------------
 
-# ---- ComfyUI / comfy-kitchen adapters (absent in unit tests without ComfyUI) ---------------------------------
+_noted: set[tuple[str, str]] = set()
+_noted_lock = threading.Lock()
+
+
+def note_fallback(where: str, reason: str, level: int = logging.INFO) -> None:
+    """Log once per (place, reason) that ``where`` runs ComfyUI's path, and why."""
+    with _noted_lock:
+        if (where, reason) in _noted:
+            return
+        _noted.add((where, reason))
+    log.log(level, "H3 fused NVFP4: %s uses ComfyUI's path: %s", where, reason)
+
+
+def noted_fallbacks() -> list[tuple[str, str]]:
+    with _noted_lock:
+        return sorted(_noted)
+
+
+# ---- ComfyUI / comfy-kitchen adapters ----------------------------------------------------------------------
 
 def _comfy_ops():
     try:
@@ -39,8 +64,8 @@ def _comfy_ops():
         return None
 
 
-def _allocation_context():
-    """Allocations made here are outside ComfyUI's recorded H3 malloc graph, like comfy-kitchen's own."""
+def allocation_context():
+    """Allocations made here stay outside ComfyUI's recorded H3 allocation graph, like comfy-kitchen's own."""
     try:
         import comfy.model_prefetch
 
@@ -54,18 +79,16 @@ def layer_weights(layer, x: torch.Tensor):
     """Yield (weight, bias) the way ComfyUI's NVFP4 Linear obtains them (offload, LoRA, dynamic VRAM)."""
     comfy_ops = _comfy_ops()
     if comfy_ops is None or not isinstance(layer, getattr(comfy_ops, "CastWeightBiasOp", ())):
-        yield layer.weight, layer.bias  # not a ComfyUI op (tests): its weights are used as they are
+        yield layer.weight, layer.bias  # not a ComfyUI op: its weights are used as they are
     elif hasattr(comfy_ops, "CastBiasWeightContext"):
         with comfy_ops.CastBiasWeightContext(layer, x, offloadable=True, compute_dtype=x.dtype, want_requant=True) as wb:
             yield wb
-    elif hasattr(comfy_ops, "uncast_bias_weight"):
+    else:
         weight, bias, state = comfy_ops.cast_bias_weight(layer, x, offloadable=True)
         try:
             yield weight, bias
         finally:
             comfy_ops.uncast_bias_weight(layer, weight, bias, state)
-    else:
-        yield comfy_ops.cast_bias_weight(layer, x)
 
 
 def is_nvfp4_weight(weight) -> bool:
@@ -88,15 +111,14 @@ def gemm_mode(device: torch.device) -> str:
 def backend_for(x: torch.Tensor):
     """The fused-op implementation for this tensor: the CUDA kernels, or their Python twin off the GPU.
 
-    Raises ``runtime.KernelBuildError`` if the kernels cannot be built for this GPU.
-    """
+    Raises ``runtime.KernelBuildError`` if the kernels cannot be built for this GPU."""
     if x.is_cuda:
-        runtime.module(x.device.index)
+        ops.module_for(x.device)
         return ops
     return reference_ops
 
 
-def nvfp4_gemm(packed: ops.PackedActivation, weight, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def nvfp4_gemm(packed: PackedActivation, weight, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """GEMM of a packed activation with an NVFP4 QuantizedTensor weight, sliced to [M, N] like the stock path."""
     import comfy_kitchen as ck
 
@@ -110,7 +132,8 @@ def nvfp4_gemm(packed: ops.PackedActivation, weight, bias: torch.Tensor | None, 
             )
             return out[: packed.rows, :out_features]
         except (RuntimeError, TypeError) as exc:  # comfy-kitchen's dispatch falls back the same way
-            log.warning("NVFP4 GEMM failed (%s); dequantizing like comfy-kitchen does", exc)
+            note_fallback("NVFP4 GEMM", f"cuBLASLt failed ({exc}); dequantizing like comfy-kitchen does",
+                          logging.WARNING)
     activation = ck.dequantize_nvfp4(packed.qdata, packed.global_scale, packed.block_scales, params.orig_dtype)
     activation = activation[: packed.rows, : packed.cols]
     return torch.nn.functional.linear(activation, weight.dequantize(), bias)
@@ -129,16 +152,16 @@ class FusedNVFP4Linear:
         self.layer = layer
         self.name = name
         self.stock_forward = type(layer).forward.__get__(layer)
-        self._logged: set[str] = set()
         self._static_alpha: dict[tuple, torch.Tensor] = {}
         self.calls_fused = 0
         self.calls_stock = 0
-        # (modulation, stock_input) handed over by FusedDiTBlock for the next call (the qkv_proj call made by
-        # ComfyUI's own Attention.forward); consumed by that call.
-        self.pending = None
 
-    # Why the fused path cannot take this call (None: it can).
+    def dynamic_scale(self) -> bool:
+        """True when ComfyUI computes this layer's activation scale per call (no static ``input_scale``)."""
+        return getattr(self.layer, "input_scale", None) is None
+
     def refusal(self, x: torch.Tensor, width: int) -> str | None:
+        """Why the fused path cannot take this call (None: it can)."""
         layer = self.layer
         if torch.compiler.is_compiling():
             return "inside torch.compile (stock path is traced instead)"
@@ -160,43 +183,42 @@ class FusedNVFP4Linear:
             return f"input width {width} != in_features {layer.in_features}"
         return None
 
-    def note(self, reason: str) -> None:
-        if reason not in self._logged:
-            self._logged.add(reason)
-            log.info("H3 fused NVFP4: %s uses ComfyUI's path: %s", self.name, reason)
-
     def static_scale(self, device: torch.device):
         scale = getattr(self.layer, "input_scale", None)
         if scale is None:
             return None, None
         scale = scale.detach().to(device=device, dtype=torch.float32).reshape(1)
         w2 = self.layer.weight._params.scale
-        key = (scale.data_ptr(), scale._version, w2.data_ptr(), w2._version)
+        key = (scale.data_ptr(), w2.data_ptr(), str(device))
         alpha = self._static_alpha.get(key)
         if alpha is None:  # one fp32 product, the same one comfy-kitchen's GEMM wrapper computes per call
-            self._static_alpha.clear()
-            alpha = (scale * w2.to(device=device, dtype=torch.float32)).reshape(1)
-            self._static_alpha[key] = alpha
+            with allocation_context():
+                alpha = (scale * w2.to(device=device, dtype=torch.float32)).reshape(1)
+            self._static_alpha = {key: alpha}
         return scale, alpha
 
-    def __call__(self, x: torch.Tensor, *, swiglu: bool = False, modulation: ops.Modulation | None = None,
-                 stock_input=None):
-        """Forward of the layer. ``swiglu``/``modulation`` make the pack read the layer input through that op
-        (the caller passes the op's *input* as ``x``); ``stock_input`` rebuilds the op's output with ComfyUI's
-        own code when the fused path refuses."""
-        if modulation is None and self.pending is not None:
-            (modulation, stock_input), self.pending = self.pending, None
+    def __call__(self, x: torch.Tensor, *, source=None, swiglu: bool = False, stock=None):
+        """Forward of the layer. ``source`` (integration/block.py ``LinearSource``) or ``swiglu`` make the pack
+        read the layer input through that op (``x`` is then the op's *input*); ``stock`` / ``source.stock()``
+        rebuild the layer input with ComfyUI's own code when the fused path refuses."""
+        if source is not None:
+            stock = source.stock
+        modulation = source.modulation if source is not None else None
+        norm = source.norm if source is not None else None
         reason = self.refusal(x, x.shape[-1] // 2 if swiglu else x.shape[-1])
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
         backend = None
         if reason is None:
             try:
                 backend = backend_for(x)
-                reason = backend.pack_support(x2, swiglu=swiglu, modulation=modulation)
+                op = "pack_swiglu" if swiglu else ("pack_norm" if norm is not None else
+                                                   "pack_modulate" if modulation is not None else "pack")
+                reason = (selfcheck.op_refusal(x.device, op) or selfcheck.op_refusal(x.device, "linear")
+                          or backend.pack_support(x2, swiglu=swiglu, modulation=modulation, norm=norm))
             except runtime.KernelBuildError as exc:
                 reason = f"kernel build failed: {exc}"
         if reason is not None:
-            return self._stock(reason, x, stock_input)
+            return self._stock(reason, x, stock)
         out_shape = (*x.shape[:-1], self.layer.out_features)
         out = None
         with layer_weights(self.layer, x2) as (weight, bias):
@@ -204,12 +226,13 @@ class FusedNVFP4Linear:
                 reason = "ComfyUI's weight cast returned a non-NVFP4 weight"  # handled after the cast is undone
             else:
                 static, static_alpha = self.static_scale(x.device)
+                reduced = source.global_scale if (source is not None and static is None) else None
                 try:
-                    with _allocation_context():
+                    with allocation_context():
                         packed = backend.pack_nvfp4(
-                            x2, static_scale=static,
+                            x2, static_scale=static, global_scale=reduced,
                             weight_scale_2=None if static is not None else weight._params.scale.reshape(1),
-                            swiglu=swiglu, modulation=modulation,
+                            swiglu=swiglu, modulation=modulation, norm=norm,
                         )
                         if static is not None:
                             packed.alpha = static_alpha
@@ -217,11 +240,11 @@ class FusedNVFP4Linear:
                 except runtime.KernelBuildError as exc:  # a failed launch: nothing was written to the output
                     reason = f"kernel launch failed: {exc}"
         if out is None:
-            return self._stock(reason, x, stock_input)
+            return self._stock(reason, x, stock)
         self.calls_fused += 1
         return out.reshape(out_shape) if x.dim() >= 3 else out
 
-    def _stock(self, reason: str, x: torch.Tensor, stock_input):
-        self.note(reason)
+    def _stock(self, reason: str, x: torch.Tensor, stock):
+        note_fallback(self.name, reason)
         self.calls_stock += 1
-        return self.stock_forward(stock_input() if stock_input is not None else x)
+        return self.stock_forward(stock() if stock is not None else x)

@@ -12,19 +12,23 @@ Patched keys (``diffusion_model.`` prefix):
     token_refiner.blocks.{i}.mlp.forward      FusedSwigluMLP
     ...{attn.qkv_proj,attn.out_proj,mlp.fc1,mlp.fc2}.forward   FusedNVFP4Linear, NVFP4 layers only
 
-Matching is structural (attribute names and Linear shapes of ComfyUI's comfy/ldm/minimax/model.py), so it
-works on the real model and on the test mirror alike; only NVFP4-quantized Linears are patched.
+Matching is structural (attribute names and Linear shapes of ComfyUI's comfy/ldm/minimax/model.py, and the module
+helpers the fused block calls for its fallbacks); only NVFP4-quantized Linears are patched. Before patching, the
+kernels are built and self-checked on the load device (integration/selfcheck.py); an op that fails runs ComfyUI's
+path, and the first patched block checks the whole block on the first forward.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels import runtime
-from .block import FusedAttention, FusedDiTBlock, FusedSwigluMLP, ModulationIndexCache
+from ..kernels import ops, runtime
+from . import selfcheck
+from .block import FusedAttention, FusedDiTBlock, FusedSwigluMLP, ModelState
 from .linear import FusedNVFP4Linear, gemm_mode, is_nvfp4_linear
 
 log = logging.getLogger("h3_fused_nvfp4")
@@ -55,6 +59,7 @@ class PatchReport:
     device: str = ""
     kernels: str = ""
     gemm: str = ""
+    selfcheck: str = ""
 
     def summary(self) -> str:
         if not self.applied:
@@ -63,7 +68,7 @@ class PatchReport:
             f"H3 fused NVFP4: patched {self.dit_blocks} DiT + {self.refiner_blocks} refiner blocks, "
             f"{len(self.layers)} NVFP4 layers ({len(self.layers) - self.static_layers} dynamic-scale, "
             f"{self.static_layers} static input_scale), scope {self.mode}, {self.device}, GEMM {self.gemm}, "
-            f"kernels {self.kernels}"
+            f"kernels {self.kernels}" + (f"; {self.selfcheck}" if self.selfcheck else "")
         )
 
 
@@ -101,6 +106,9 @@ def _hidden_of(block) -> int | None:
 
 def block_kind(block) -> str | None:
     """"dit" for an H3 DiTBlock, "refiner" for a token-refiner block, None otherwise."""
+    module = sys.modules.get(type(block).__module__)
+    if not all(hasattr(module, helper) for helper in ("_mod_scale_shift", "_mod_gate")):
+        return None  # not ComfyUI's H3 module (the fused block falls back to its helpers)
     hidden = _hidden_of(block)
     if hidden is None or not (hasattr(block, "norm1") and hasattr(block, "norm2")):
         return None
@@ -157,7 +165,8 @@ def build_patches(diffusion_model, scope: str = "block") -> tuple[dict[str, obje
         report.reason = f"{type(diffusion_model).__name__} has no MiniMax H3 transformer blocks"
         return {}, report
     patches: dict[str, object] = {}
-    index_cache = ModulationIndexCache()
+    state = ModelState()
+    previous = None  # the fused DiT block just before, for the norm-statistics hand-over
     for blk in blocks:
         fused = {}
         for path in LINEAR_PATHS:
@@ -169,15 +178,21 @@ def build_patches(diffusion_model, scope: str = "block") -> tuple[dict[str, obje
                 report.layers.append(name)
                 report.static_layers += getattr(layer, "input_scale", None) is not None
         if not fused:
+            previous = None
             continue
-        mlp = FusedSwigluMLP(blk.module.mlp, fused.get("mlp.fc1"), fused.get("mlp.fc2"))
+        mlp = FusedSwigluMLP(blk.module.mlp, f"{blk.prefix}.mlp", fused.get("mlp.fc1"), fused.get("mlp.fc2"))
         patches[f"{blk.prefix}.mlp.forward"] = mlp
         if blk.kind == "dit":
             report.dit_blocks += 1
             if scope == "block":
-                patches[f"{blk.prefix}.forward"] = FusedDiTBlock(
-                    blk.module, blk.prefix, fused.get("attn.qkv_proj"), mlp, index_cache)
-                patches[f"{blk.prefix}.attn.forward"] = FusedAttention(blk.module.attn)
+                attention = FusedAttention(blk.module.attn, f"{blk.prefix}.attn", fused.get("attn.qkv_proj"))
+                index = int(blk.prefix.rsplit(".", 1)[1])
+                block = FusedDiTBlock(blk.module, blk.prefix, index, attention, mlp, state)
+                if previous is not None and previous.index == index - 1:
+                    previous.next = block
+                patches[f"{blk.prefix}.forward"] = block
+                patches[f"{blk.prefix}.attn.forward"] = attention
+                previous = block
         else:
             report.refiner_blocks += 1
     if not report.layers:
@@ -197,10 +212,22 @@ def kernel_status(device: torch.device) -> tuple[bool, str]:
     if device.type != "cuda":
         return True, "not needed (Python reference backend)"
     try:
-        mod = runtime.module(device.index if device.index is not None else torch.cuda.current_device())
-        return True, f"ready for {mod.arch} (NVRTC {'.'.join(map(str, runtime.nvrtc_version()))})"
+        mod = ops.module_for(device)
+        ops.module_for(device, "h3_rms_rope.cu")
+        flavour = " (Blackwell path, emulated instructions)" if ops.emulating_blackwell() else ""
+        return True, f"ready for {mod.arch}{flavour} (NVRTC {'.'.join(map(str, runtime.nvrtc_version()))})"
     except runtime.KernelBuildError as exc:
         return False, f"build failed: {exc}"
+
+
+def _executing_node_id():
+    try:
+        from comfy_execution.utils import get_executing_context
+
+        context = get_executing_context()
+        return getattr(context, "node_id", None)
+    except Exception:  # older ComfyUI, or not inside a graph
+        return None
 
 
 def our_patch_keys(model_patcher) -> list[str]:
@@ -244,6 +271,15 @@ def apply_fused(model_patcher, scope: str = "block", *, allow_reference_backend:
             if not ok:
                 report.applied, report.reason = False, f"kernels unavailable on {report.device}: {report.kernels}"
     if report.applied:
+        verdict = selfcheck.kernel_verdict(device)
+        report.selfcheck = verdict.summary()
+        state = next((p.state for p in patches.values() if isinstance(p, FusedDiTBlock)), None)
+        if verdict.block == "failed":
+            report.applied, report.reason = False, report.selfcheck
+        elif state is not None:
+            state.block_check = "passed" if verdict.block == "passed" else "pending"
+            state.node_id = _executing_node_id()
+    if report.applied:
         if gemm_mode(device) == "nvfp4":
             report.gemm = "cuBLASLt NVFP4"
         elif device.type == "cuda":
@@ -264,6 +300,12 @@ def apply_comfy(model_patcher):
     clone = model_patcher.clone()
     removed = remove_patches(clone)
     summary = f"H3 fused NVFP4: ComfyUI's own NVFP4 path selected ({removed} patches removed from this clone)"
-    _set_state(clone, mode="comfy", scope=patch_state(model_patcher).get("scope", "block"), summary=summary)
+    _set_state(clone, mode="comfy", scope=patched_scope(model_patcher), summary=summary)
     log.info(summary)
     return clone, summary
+
+
+def patched_scope(model_patcher, default: str = "block") -> str:
+    """The scope the model was patched with (kept by the Toggle unless it is told otherwise)."""
+    scope = patch_state(model_patcher).get("scope", default)
+    return scope if scope in SCOPES else default

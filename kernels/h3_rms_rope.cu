@@ -19,19 +19,25 @@
 // at 56% (register pressure). Reads and writes each element once (comfy-kitchen reads q and k twice).
 #include "nvfp4_common.cuh"
 
-#define ROPE_THREADS 256
+// kernels/ops.py passes the shape constants (H3: head_dim 128, rotation over the first 96 dims = 48 pairs) and the
+// launch shape; the code below is written for exactly these values.
+#if !defined(ROPE_HEAD_DIM) || !defined(ROPE_ROT_DIM) || !defined(ROPE_THREADS) || !defined(ROPE_THREADS_PER_HEAD)
+#error "kernels/ops.py passes ROPE_HEAD_DIM, ROPE_ROT_DIM, ROPE_THREADS and ROPE_THREADS_PER_HEAD as -D options"
+#endif
+#if ROPE_HEAD_DIM != 128 || ROPE_ROT_DIM != 96 || ROPE_THREADS_PER_HEAD != 8
+#error "the lane mapping below is written for 128-dim heads, 96 rotated dims and 8 threads per head"
+#endif
+#define ROPE_PAIRS (ROPE_ROT_DIM / 2)  // 48: element i < 48 rotates with i + 48
 
 struct RmsRopeParams {
-    u16* q;               // q of token 0, head 0; element stride 1, head stride head_dim
+    u16* q;               // q of token 0, head 0; element stride 1, head stride ROPE_HEAD_DIM
     u16* k;
     i64 row_stride;       // elements between tokens (q and k share it: views of one qkv buffer)
-    const u16* freqs;     // bf16 [tokens, rot/2, 2, 2] contiguous
-    const u16* q_weight;  // bf16 [head_dim]
+    const u16* freqs;     // bf16 [tokens, ROPE_PAIRS, 2, 2] contiguous
+    const u16* q_weight;  // bf16 [ROPE_HEAD_DIM]
     const u16* k_weight;
     i64 tokens;
     i32 heads;
-    i32 head_dim;         // 128
-    i32 rot_dim;          // 96
     float eps;
 };
 
@@ -53,7 +59,6 @@ NVFP4_DEVICE float add_ftz(float a, float b) {
 // shuffles by 4, 2, 1 threads; offsets 2 and 1 are additions inside the thread). Rotation partners are in thread
 // t ^ 4 (for t < 4 slot s pairs with the partner's slot s+1 mod 3, else s+2); 48 is a multiple of 4, so no access
 // straddles a pair boundary.
-#define ROPE_THREADS_PER_HEAD 8
 
 NVFP4_DEVICE void load4(const u16* p, float v[4]) {
     const u64 w = *reinterpret_cast<const u64*>(p);
@@ -101,7 +106,7 @@ NVFP4_DEVICE void rms_normalize(const u16* head, const u16* weight, float head_d
     }
 }
 
-// Rotate and store one head in place (rot_dim 96: pairs (i, i + 48)).
+// Rotate and store one head in place (pairs (i, i + ROPE_PAIRS)).
 NVFP4_DEVICE void rotate_store(u16* head, const u16* freq_row, u32 t, u32 group_mask, const float n[4][4]) {
     float p[3][4];  // the partner's slots 0..2, exchanged as packed bf16 (n is bf16-exact)
 #pragma unroll
@@ -114,8 +119,8 @@ NVFP4_DEVICE void rotate_store(u16* head, const u16* freq_row, u32 t, u32 group_
 #pragma unroll
     for (int s = 0; s < 3; ++s) {
         const u32 e0 = 4 * t + 32 * s;              // first element of this slot
-        const bool first = e0 < 48;                 // elements i of pairs (i, i + 48)
-        const u32 pair0 = first ? e0 : e0 - 48;
+        const bool first = e0 < ROPE_PAIRS;         // elements i of pairs (i, i + ROPE_PAIRS)
+        const u32 pair0 = first ? e0 : e0 - ROPE_PAIRS;
         u32 y[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -127,8 +132,8 @@ NVFP4_DEVICE void rotate_store(u16* head, const u16* freq_row, u32 t, u32 group_
         }
         store4(head + e0, y[0] | (y[1] << 16), y[2] | (y[3] << 16));
     }
-    // beyond rot_dim: normalized only
-    store4(head + 4 * t + 96, pack_bf16x2(n[3][0], n[3][1]), pack_bf16x2(n[3][2], n[3][3]));
+    // beyond ROPE_ROT_DIM: normalized only
+    store4(head + 4 * t + ROPE_ROT_DIM, pack_bf16x2(n[3][0], n[3][1]), pack_bf16x2(n[3][2], n[3][3]));
 }
 
 // q, k rows and the norm weights must be 8-byte aligned (kernels/ops.py checks).
@@ -137,13 +142,13 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS) h3_rms_rope_split_hal
     const u32 group_mask = 0xFFu << (lane & ~7u);
     const u32 groups_total = gridDim.x * (ROPE_THREADS / ROPE_THREADS_PER_HEAD);
     const u32 items = (u32)p.tokens * (u32)p.heads;
-    const float head_dim = (float)p.head_dim;
+    const float head_dim = (float)ROPE_HEAD_DIM;
     for (u32 item = (blockIdx.x * ROPE_THREADS + threadIdx.x) / ROPE_THREADS_PER_HEAD; item < items;
          item += groups_total) {
         const u32 token = item / (u32)p.heads;
         const u32 h = item - token * (u32)p.heads;
-        const i64 offset = (i64)token * p.row_stride + (i64)h * p.head_dim;
-        const u16* freq_row = p.freqs + (i64)token * (p.rot_dim / 2) * 4;
+        const i64 offset = (i64)token * p.row_stride + (i64)h * ROPE_HEAD_DIM;
+        const u16* freq_row = p.freqs + (i64)token * ROPE_PAIRS * 4;
         float nq[4][4], nk[4][4];
         rms_normalize(p.q + offset, p.q_weight, head_dim, p.eps, t, group_mask, nq);
         rms_normalize(p.k + offset, p.k_weight, head_dim, p.eps, t, group_mask, nk);

@@ -1,50 +1,52 @@
-// Fused NVFP4 activation packing for the MiniMax H3 block: global-scale reduction, pack, gated residual.
+// Fused NVFP4 activation packing for the MiniMax H3 block: global-scale reductions, packs, gated residuals, and
+// RMSNorm statistics.
 //
-// Math. Every kernel reads its activation through a *source* that may apply the elementwise op that
-// ComfyUI runs right before the quantized Linear, so that op's output never goes to memory:
-//   PlainSource     h = x                                             (out_proj input, generic layers)
-//   ModulateSource  h = bf16(bf16(x * bf16(1 + scale[m])) + shift[m]) (adaLN modulation, qkv_proj / fc1 input)
-//   SwigluSource    h = bf16(bf16(silu(gate)) * up)                   (fc1 output -> fc2 input)
+// Math. Every pack and reduction reads its activation through a *source* that applies the elementwise ops ComfyUI
+// runs right before the quantized Linear, so their outputs never go to memory:
+//   PlainSource          h = x                                               (out_proj input, generic layers)
+//   ModulateSource       h = bf16(bf16(x * bf16(1 + scale[m])) + shift[m])   (adaLN modulation of a norm output)
+//   NormModulateSource   the same on n = bf16(w * (rstd[row] * x))           (RMSNorm folded in: qkv_proj, fc1)
+//   SwigluSource         h = bf16(bf16(silu(gate)) * up)                     (fc1 output -> fc2 input)
 // with m = mod_index[row] the adaLN modulation row of the token. Each bf16() is one round-to-nearest-even,
-// exactly where PyTorch rounds in ComfyUI's stock ops (mul_, add_, silu, mul_), and the fp32 arithmetic
+// exactly where PyTorch rounds in ComfyUI's stock ops (rms_norm, mul_, add_, silu, mul_), and the fp32 arithmetic
 // between them is IEEE (this file is compiled without fast math; _rn intrinsics prevent contraction).
 //
-//   nvfp4_absmax_*   one pass over h: amax|h| (NaN wins, as torch.amax), then the LAST CTA to finish turns
-//                    it into the global scale g = fp32(bf16(amax * fp32(1/2688))) and the GEMM alpha
-//                    g * weight_scale_2, writes both to device memory and re-arms the workspace. One launch,
-//                    no host sync: the pack kernel and the GEMM read g / alpha from memory.
-//   nvfp4_pack_*     one pass over h: block scales + E2M1 codes (nvfp4_common.cuh), every padding byte written
-//                    here (pad rows of qdata, pad rows and columns of the scales), so no zero-fill launch.
-//   h3_gated_residual  x[r] += other[r] * gate[m]  in place (ComfyUI's per-segment addcmul_).
+//   nvfp4_absmax_*      one pass over h: amax|h| (NaN wins, as torch.amax); the LAST CTA to finish turns it into
+//                       the global scale g = fp32(bf16(amax * fp32(1/2688))), writes it to device memory and
+//                       re-arms its workspace. No host sync: the pack kernel reads g from memory.
+//   nvfp4_pack_*        one pass over h: block scales + E2M1 codes (nvfp4_common.cuh), every padding byte written
+//                       here (pad rows of qdata, pad rows and columns of the scales), so no zero-fill launch; CTA 0
+//                       also writes the GEMM alpha g * weight_scale_2 for comfy-kitchen's device-alpha GEMM.
+//   h3_gated_residual   x[r] += other[r] * gate[m] in place (ComfyUI's per-segment addcmul_).
+//   h3_row_norm_*       RMSNorm statistics of x (optionally first updated by the gated residual): rstd[r] with
+//                       torch's CUDA rms_norm arithmetic, and optionally the amax of the modulated, normalized rows
+//                       (the next projection's global scale), so torch's norm never writes its output.
 //
-// Thread mapping of the pack. One warp packs one row at a time. The padded
-// scale matrix has U = roundup(K/16, 4)/4 column groups per row; a group covers 64 input columns and owns 4
-// contiguous scale bytes of the swizzled layout. Each lane packs one 16-block (two 16-byte loads, one block
-// scale, 8 bytes of codes); lane 0 of each 4-lane group gathers the group's 4 scale bytes with three shuffles
-// and stores them as one word. Items blocks per lane are in flight to cover HBM latency. Rows cover
-// [0, roundup(roundup(M,16),128)): rows in [M, roundup(M,16)) are packed from zeros (as comfy-kitchen pads
-// them), rows beyond only get zero scales. Measured slower on the H200 (benchmarks/README.md): splitting a block
-// over two lanes for 512-byte coalesced loads (+17% at K=5376), and persistent warps walking the flat block list
-// across row ends (+34%).
+// torch's rms_norm (vectorized_layer_norm_kernel<BFloat16, float, rms=true>, identical arithmetic in torch 2.9.0 to
+// 2.14.1; kernels/ops.py rms_norm_support and the first-use self-check guard it): one CTA of 128 threads per row;
+// logical thread t sums the squares of the 4-element vectors t, t + 128, ... (fma.rn from 0, elements in order);
+// a shfl_down tree 16, 8, 4, 2, 1 of add.rn per warp; S = (W0 + W2) + (W1 + W3); var = div.rn(S, float(K));
+// rstd = rsqrt.approx.f32(add.rn(var, float(eps))) (non-ftz); n = bf16(mul.rn(w, mul.rn(rstd, x))). Here one warp
+// holds a row: lane p holds logical threads 4p .. 4p + 3 (its 16 contiguous elements per 512-column step are their
+// vectors), so the four partial sums and the tree replay torch's exactly.
+//
+// Thread mapping of the pack. One warp packs one row at a time. The padded scale matrix has
+// U = roundup(K/16, 4)/4 column groups per row; a group covers 64 input columns and owns 4 contiguous scale bytes
+// of the swizzled layout. Each lane packs one 16-block (two 16-byte loads, one block scale, 8 bytes of codes); lane
+// 0 of each 4-lane group gathers the group's 4 scale bytes with three shuffles and stores them as one word. Items
+// blocks per lane are in flight to cover DRAM latency. Rows cover [0, roundup(roundup(M,16),128)): rows in
+// [M, roundup(M,16)) are packed from zeros (as comfy-kitchen pads them), rows beyond only get zero scales. Measured
+// slower on the H200 (benchmarks/README.md): splitting a block over two lanes for 512-byte coalesced loads
+// (+17% at K=5376), and persistent warps walking the flat block list across row ends (+34%).
 //
 // Requirements checked on the host (kernels/ops.py): K % 16 == 0, 16-byte aligned rows and tables.
 #include "nvfp4_common.cuh"
 
-// Tuning knobs (kernels/ops.py reads the same values; benchmarks may override them with -D).
-#ifndef ITEMS
-#define ITEMS 1        // modulated and SwiGLU sources (more arithmetic per value, more registers)
-#endif
-#ifndef PLAIN_ITEMS
-#define PLAIN_ITEMS 4  // plain source: only loads in flight matter
-#endif
-#ifndef PACK_THREADS
-#define PACK_THREADS 256
-#endif
-#ifndef SILU_TABLE_THREADS
-#define SILU_TABLE_THREADS 512
-#endif
-#ifndef ABSMAX_THREADS
-#define ABSMAX_THREADS 512
+// Launch shape: kernels/ops.py (LAUNCH) is the one source of these values and passes them as -D options.
+#if !defined(ITEMS) || !defined(PLAIN_ITEMS) || !defined(PACK_THREADS) || !defined(SILU_TABLE_THREADS) ||          \
+    !defined(ABSMAX_THREADS) || !defined(RESIDUAL_THREADS) || !defined(ROW_NORM_THREADS) ||                         \
+    !defined(ROW_NORM_MAX_STEPS)
+#error "kernels/ops.py passes the launch constants (ITEMS, PLAIN_ITEMS, PACK_THREADS, ...) as -D options"
 #endif
 
 struct SourceParams {
@@ -58,6 +60,8 @@ struct SourceParams {
     i64 mod_row_stride;    // in elements
     const i32* mod_index;  // modulation row of each token
     const u16* silu_table; // SwiGLU with a table: bf16 silu(x) for each of the 65536 bf16 bit patterns x
+    const float* rstd;     // folded RMSNorm: per-row rstd (h3_row_norm_*), and its bf16 weight [K]
+    const u16* norm_weight;
 };
 
 struct PackParams {
@@ -68,14 +72,20 @@ struct PackParams {
     i64 rows16;
     i64 rows128;
     i64 groups;                 // U
+    float* alpha_out;           // g * weight_scale_2, written by CTA 0 (nullptr: not wanted)
+    const float* weight_scale_2;
+};
+
+// Where a grid-wide amax lands: {amax bits, finished-CTA counter} (zero between launches, re-armed by the last
+// CTA) and the global scale g it becomes.
+struct GlobalScaleOut {
+    u32* workspace;
+    float* global_scale;
 };
 
 struct AbsmaxParams {
     SourceParams src;
-    u32* workspace;               // {amax bits, finished-CTA counter}; zero between launches
-    float* global_scale_out;      // g
-    float* alpha_out;             // g * weight_scale_2 (nullptr: not wanted)
-    const float* weight_scale_2;
+    GlobalScaleOut out;
 };
 
 struct GatedResidualParams {
@@ -90,24 +100,40 @@ struct GatedResidualParams {
     i64 cols;
 };
 
+struct RowNormParams {
+    u16* x;                  // residual stream [rows, cols], updated in place by the residual variants
+    i64 x_row_stride;
+    const u16* other;        // residual variants: attention / MLP output, and the bf16 gate rows
+    i64 other_row_stride;
+    const u16* gate;
+    i64 gate_row_stride;
+    const i32* mod_index;    // modulation row of each token (gate, scale and shift tables)
+    i64 rows;
+    i64 cols;                // K: a multiple of 16, at most 512 * ROW_NORM_MAX_STEPS
+    const u16* norm_weight;  // bf16 [K]
+    float eps;
+    float* rstd;             // out: fp32 [rows]
+    const u16* mod_scale;    // amax variants: the next projection's modulation tables
+    const u16* mod_shift;
+    i64 mod_row_stride;
+    GlobalScaleOut out;      // amax variants
+};
+
 // ---- sources ---------------------------------------------------------------------------------------------
 
-// 0: the plain pack's loads go through L1: each lane reads 32 contiguous bytes in two 16-byte loads, and the
-// second load of each sector hits L1 (measured 12% faster on the H200 than L1::no_allocate).
-#ifndef PLAIN_LOAD_NO_ALLOCATE
-#define PLAIN_LOAD_NO_ALLOCATE 0
-#endif
-
 struct PlainSource {
+    // Through L1: each lane reads 32 contiguous bytes in two 16-byte loads, and the second load of each sector
+    // hits L1 (measured 12% faster on the H200 than L1::no_allocate).
     static __device__ __forceinline__ void load(const SourceParams& p, i64 row, i64 col, u32 w[4]) {
-#if PLAIN_LOAD_NO_ALLOCATE
-        u32x4 v = load_16B_stream(p.x + row * p.x_row_stride + col);
-#else
         u32x4 v = load_16B(p.x + row * p.x_row_stride + col);
-#endif
         w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
     }
 };
+
+// The adaLN modulation of bf16x2 words, shared with the row-norm kernels.
+NVFP4_DEVICE u32 modulate_x2(u32 x, u32 scale, u32 shift) {
+    return bf16x2_add(bf16x2_mul(x, bf16x2_add(BF16X2_ONE, scale)), shift);
+}
 
 // ComfyUI: h[a:b].mul_(1.0 + scale[m]).add_(shift[m]) with bf16 tensors: three bf16 roundings, done here as
 // three bf16x2 operations (each one rounding, the same as torch's fp32 opmath for bf16 operands; see
@@ -120,12 +146,33 @@ struct ModulateSource {
         u32x4 t = load_16B(p.mod_shift + m * p.mod_row_stride + col);
         const u32 xs[4] = {x.x, x.y, x.z, x.w}, ss[4] = {s.x, s.y, s.z, s.w}, ts[4] = {t.x, t.y, t.z, t.w};
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            w[i] = bf16x2_add(bf16x2_mul(xs[i], bf16x2_add(BF16X2_ONE, ss[i])), ts[i]);
-        }
+        for (int i = 0; i < 4; ++i) w[i] = modulate_x2(xs[i], ss[i], ts[i]);
     }
 };
 
+
+// torch's rms_norm output element pair: bf16(w * (rstd * x)), two separately rounded fp32 products.
+NVFP4_DEVICE u32 rms_norm_x2(u32 x, u32 w, float rstd) {
+    return pack_bf16x2(__fmul_rn(bf16_lo(w), __fmul_rn(rstd, bf16_lo(x))),
+                       __fmul_rn(bf16_hi(w), __fmul_rn(rstd, bf16_hi(x))));
+}
+
+// RMSNorm folded in front of the modulation: n = bf16(w * (rstd * x)) with rstd from h3_row_norm_* (torch's
+// rms_norm output, element for element), then ModulateSource's three roundings.
+struct NormModulateSource {
+    static __device__ __forceinline__ void load(const SourceParams& p, i64 row, i64 col, u32 w[4]) {
+        u32x4 x = load_16B_stream(p.x + row * p.x_row_stride + col);
+        u32x4 nw = load_16B(p.norm_weight + col);
+        const float r = p.rstd[row];
+        i64 m = p.mod_index[row];
+        u32x4 s = load_16B(p.mod_scale + m * p.mod_row_stride + col);
+        u32x4 t = load_16B(p.mod_shift + m * p.mod_row_stride + col);
+        const u32 xs[4] = {x.x, x.y, x.z, x.w}, ws[4] = {nw.x, nw.y, nw.z, nw.w};
+        const u32 ss[4] = {s.x, s.y, s.z, s.w}, ts[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = modulate_x2(rms_norm_x2(xs[i], ws[i], r), ss[i], ts[i]);
+    }
+};
 
 // silu(gate) * up for a word of two gate and two up values, silu evaluated (torch's formula, fp32 product).
 struct SiluEvaluated {
@@ -160,33 +207,33 @@ struct SwigluSource {
 
 // ---- global scale ----------------------------------------------------------------------------------------
 
-// Block reduction of the per-thread |h| maxima, then the last CTA turns the grid's max into g and alpha.
-__device__ __forceinline__ void absmax_finish(const AbsmaxParams& p, u32 acc) {
+// Block reduction of the per-thread |h| maxima (bf16x2 bit patterns of |h|), then the last CTA to finish turns the
+// grid's max into g. Every thread of the CTA must call it.
+template <int Threads>
+__device__ __forceinline__ void absmax_finish(const GlobalScaleOut& out, u32 acc) {
     u32 m = max(acc & 0xFFFFu, acc >> 16);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
 
-    __shared__ u32 warp_max[ABSMAX_THREADS / 32];
+    __shared__ u32 warp_max[Threads / 32];
     __shared__ bool is_last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) warp_max[warp] = m;
     __syncthreads();
     if (threadIdx.x == 0) {
         u32 block_max = 0;
-        for (int i = 0; i < (int)(blockDim.x >> 5); ++i) block_max = max(block_max, warp_max[i]);
-        atomicMax(&p.workspace[0], block_max);
+        for (int i = 0; i < Threads / 32; ++i) block_max = max(block_max, warp_max[i]);
+        atomicMax(&out.workspace[0], block_max);
         __threadfence();  // publish this CTA's max before counting it as finished
-        is_last = atomicAdd(&p.workspace[1], 1u) == gridDim.x - 1;
+        is_last = atomicAdd(&out.workspace[1], 1u) == gridDim.x - 1;
     }
     __syncthreads();
     if (is_last && threadIdx.x == 0) {
         __threadfence();
-        u32 amax_bits = atomicExch(&p.workspace[0], 0u);
-        p.workspace[1] = 0;  // re-arm for the next launch on this stream
+        u32 amax_bits = atomicExch(&out.workspace[0], 0u);
+        out.workspace[1] = 0;  // re-arm for the next launch on this stream
         // torch: (amax_bf16 / 2688.0) -> bf16 computed as fp32(amax) * fp32(1/2688), then .to(float32)
-        float g = bf16_to_f32(f32_to_bf16(__fmul_rn(bf16_to_f32((u16)amax_bits), 1.0f / 2688.0f)));
-        p.global_scale_out[0] = g;
-        if (p.alpha_out) p.alpha_out[0] = __fmul_rn(g, p.weight_scale_2[0]);
+        out.global_scale[0] = bf16_to_f32(f32_to_bf16(__fmul_rn(bf16_to_f32((u16)amax_bits), 1.0f / 2688.0f)));
     }
 }
 
@@ -219,7 +266,7 @@ __device__ __forceinline__ void absmax_body(const AbsmaxParams& p) {
             acc = abs_bits_max_x2(acc, w[i][3]);
         }
     }
-    absmax_finish(p, acc);
+    absmax_finish<ABSMAX_THREADS>(p.out, acc);
 }
 
 
@@ -266,7 +313,7 @@ __device__ __forceinline__ void absmax_swiglu_body(const AbsmaxParams& p) {
             }
         }
     }
-    absmax_finish(p, acc);
+    absmax_finish<ABSMAX_THREADS>(p.out, acc);
 }
 
 // ---- pack ------------------------------------------------------------------------------------------------
@@ -281,12 +328,12 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
     const u32 lane = threadIdx.x & 31;
     const u32 group_leader = lane & ~3u;
     const u32 warps_total = gridDim.x * (blockDim.x >> 5);
+    if (p.alpha_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) p.alpha_out[0] = __fmul_rn(g, p.weight_scale_2[0]);
 
     for (u32 row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; row < rows128; row += warps_total) {
         const bool data_row = row < rows;
         const bool packed_row = row < rows16;
         u8* qrow = p.qdata + (u64)row * (cols / 2);
-        u8* srow = p.scales + (u64)(row >> 7) * scale_groups * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4;
         for (u32 c0 = 0; c0 < lanes_per_row; c0 += 32 * Items) {
             u32 w[Items][8];
 #pragma unroll
@@ -316,11 +363,10 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
                 if (packed_row && in_cols) {
                     asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(qrow + col / 2), "r"(lo), "r"(hi) : "memory");
                 }
-#ifndef PACK_SKIP_SCALE_STORE
                 if (lane == group_leader) {
-                    *reinterpret_cast<u32*>(srow + (c >> 2) * 512) = scale_byte | (b1 << 8) | (b2 << 16) | (b3 << 24);
+                    *reinterpret_cast<u32*>(p.scales + swizzled_scale_offset32(row, c, scale_groups * 4)) =
+                        scale_byte | (b1 << 8) | (b2 << 16) | (b3 << 24);
                 }
-#endif
             }
         }
     }
@@ -342,7 +388,7 @@ __device__ __forceinline__ void gated_residual_body(const GatedResidualParams& p
         const u32 row32 = c / chunks_per_row;
         const i64 row = (i64)row32, col = (i64)(c - row32 * chunks_per_row) * 8;
         u16* xp = p.x + row * p.x_row_stride + col;
-        u32x4 x = load_16B(xp);
+        u32x4 x = load_16B_coherent(xp);  // x is written by this kernel: no read-only (.nc) path
         u32x4 o = load_16B_stream(p.other + row * p.other_row_stride + col);
         u32x4 g = load_16B(p.gate + (i64)p.mod_index[row] * p.gate_row_stride + col);
         const u32 xs[4] = {x.x, x.y, x.z, x.w}, os[4] = {o.x, o.y, o.z, o.w}, gs[4] = {g.x, g.y, g.z, g.w};
@@ -356,6 +402,96 @@ __device__ __forceinline__ void gated_residual_body(const GatedResidualParams& p
     }
 }
 
+// ---- RMSNorm statistics (optionally after the gated residual), and the next projection's amax ----------------
+
+// One warp per row. Lane p holds the row's columns 512 s + 16 p .. + 15 (s = 0 .. steps-1): the 4-element vectors
+// of torch's logical threads 4p .. 4p+3 (lanes 8w .. 8w+7 form torch's warp w), kept in registers as bf16x2 words
+// because rstd needs the whole row before any normalized value can be formed.
+template <bool Residual, bool Amax>
+__device__ __forceinline__ void row_norm_body(const RowNormParams& p) {
+    const u32 lane = threadIdx.x & 31;
+    const u32 cols = (u32)p.cols, rows = (u32)p.rows;
+    const u32 warps_total = gridDim.x * (blockDim.x >> 5);
+    const float n_f = (float)cols;
+    u32 acc = 0;  // amax of |h| as bf16x2 bit patterns (NaN above inf)
+
+    for (u32 row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; row < rows; row += warps_total) {
+        u16* xrow = p.x + (i64)row * p.x_row_stride;
+        const i64 m = (Residual || Amax) ? (i64)p.mod_index[row] : 0;
+        u32 v[ROW_NORM_MAX_STEPS][8];
+        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sums of squares of torch's logical threads 4 lane + j
+#pragma unroll
+        for (int step = 0; step < ROW_NORM_MAX_STEPS; ++step) {
+            const u32 col = 512u * step + 16u * lane;
+            if (col < cols) {
+                u32x4 a = load_16B_coherent(xrow + col), b = load_16B_coherent(xrow + col + 8);
+                u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                if (Residual) {
+                    const u16* orow = p.other + (i64)row * p.other_row_stride + col;
+                    const u16* grow = p.gate + m * p.gate_row_stride + col;
+                    u32x4 oa = load_16B_stream(orow), ob = load_16B_stream(orow + 8);
+                    u32x4 ga = load_16B(grow), gb = load_16B(grow + 8);
+                    const u32 o[8] = {oa.x, oa.y, oa.z, oa.w, ob.x, ob.y, ob.z, ob.w};
+                    const u32 g[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {  // torch's addcmul_: see gated_add
+                        w[i] = pack_bf16x2(gated_add(bf16_lo(w[i]), bf16_lo(o[i]), bf16_lo(g[i])),
+                                           gated_add(bf16_hi(w[i]), bf16_hi(o[i]), bf16_hi(g[i])));
+                    }
+                    store_16B(xrow + col, u32x4{w[0], w[1], w[2], w[3]});
+                    store_16B(xrow + col + 8, u32x4{w[4], w[5], w[6], w[7]});
+                }
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {  // logical thread 4 lane + j: words 2j, 2j + 1, elements in order
+                    const float e0 = bf16_lo(w[2 * j]), e1 = bf16_hi(w[2 * j]);
+                    const float e2 = bf16_lo(w[2 * j + 1]), e3 = bf16_hi(w[2 * j + 1]);
+                    part[j] = __fmaf_rn(e0, e0, part[j]);
+                    part[j] = __fmaf_rn(e1, e1, part[j]);
+                    part[j] = __fmaf_rn(e2, e2, part[j]);
+                    part[j] = __fmaf_rn(e3, e3, part[j]);
+                }
+#pragma unroll
+                for (int i = 0; i < 8; ++i) v[step][i] = w[i];
+            }
+        }
+        // torch's warp tree on logical lanes: offsets 16, 8, 4 are shuffles by 4, 2, 1 lanes inside each group of 8;
+        // offsets 2 and 1 add the partials held by one lane.
+#pragma unroll
+        for (int off = 4; off > 0; off >>= 1) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) part[j] = __fadd_rn(part[j], __shfl_down_sync(0xFFFFFFFFu, part[j], off, 8));
+        }
+        const float warp_sum = __fadd_rn(__fadd_rn(part[0], part[2]), __fadd_rn(part[1], part[3]));
+        // S = (W0 + W2) + (W1 + W3): torch's warps w sit at lanes 8w
+        const float pair = __fadd_rn(warp_sum, __shfl_down_sync(0xFFFFFFFFu, warp_sum, 16));
+        float total = __fadd_rn(pair, __shfl_down_sync(0xFFFFFFFFu, pair, 8));
+        total = __shfl_sync(0xFFFFFFFFu, total, 0);
+        float rstd;
+        asm("rsqrt.approx.f32 %0, %1;" : "=f"(rstd) : "f"(__fadd_rn(__fdiv_rn(total, n_f), p.eps)));
+        if (lane == 0) p.rstd[row] = rstd;
+        if (Amax) {
+#pragma unroll
+            for (int step = 0; step < ROW_NORM_MAX_STEPS; ++step) {
+                const u32 col = 512u * step + 16u * lane;
+                if (col < cols) {
+                    const u16* srow = p.mod_scale + m * p.mod_row_stride + col;
+                    const u16* trow = p.mod_shift + m * p.mod_row_stride + col;
+                    u32x4 wa = load_16B(p.norm_weight + col), wb = load_16B(p.norm_weight + col + 8);
+                    u32x4 sa = load_16B(srow), sb = load_16B(srow + 8), ta = load_16B(trow), tb = load_16B(trow + 8);
+                    const u32 nw[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+                    const u32 sc[8] = {sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w};
+                    const u32 sh[8] = {ta.x, ta.y, ta.z, ta.w, tb.x, tb.y, tb.z, tb.w};
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        acc = abs_bits_max_x2(acc, modulate_x2(rms_norm_x2(v[step][i], nw[i], rstd), sc[i], sh[i]));
+                    }
+                }
+            }
+        }
+    }
+    if (Amax) absmax_finish<ROW_NORM_THREADS>(p.out, acc);
+}
+
 // ---- entry points (one name per variant; kernels/runtime.py looks them up by name) -------------------------
 
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_plain(const AbsmaxParams p) { absmax_body<PlainSource, PLAIN_ITEMS>(p); }
@@ -363,6 +499,7 @@ extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_modula
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_swiglu(const AbsmaxParams p) { absmax_swiglu_body(p); }
 extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_plain(const PackParams p) { pack_body<PlainSource, PLAIN_ITEMS>(p); }
 extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_modulate(const PackParams p) { pack_body<ModulateSource, ITEMS>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_norm_modulate(const PackParams p) { pack_body<NormModulateSource, ITEMS>(p); }
 extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_swiglu(const PackParams p) { pack_body<SwigluSource<SiluEvaluated>, ITEMS>(p); }
 // One CTA per SM (the table takes 128 KB of shared memory); kernels/ops.py launches it where that fits.
 extern "C" __global__ void __launch_bounds__(SILU_TABLE_THREADS, 1) nvfp4_pack_swiglu_table(const PackParams p) {
@@ -373,4 +510,8 @@ extern "C" __global__ void __launch_bounds__(SILU_TABLE_THREADS, 1) nvfp4_pack_s
     __syncthreads();
     pack_body<SwigluSource<SiluLookedUp>, ITEMS>(p);
 }
-extern "C" __global__ void __launch_bounds__(256) h3_gated_residual(const GatedResidualParams p) { gated_residual_body(p); }
+extern "C" __global__ void __launch_bounds__(RESIDUAL_THREADS) h3_gated_residual(const GatedResidualParams p) { gated_residual_body(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) h3_row_norm_stats(const RowNormParams p) { row_norm_body<false, false>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) h3_row_norm_amax(const RowNormParams p) { row_norm_body<false, true>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) h3_row_norm_residual_stats(const RowNormParams p) { row_norm_body<true, false>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) h3_row_norm_residual_amax(const RowNormParams p) { row_norm_body<true, true>(p); }

@@ -2,29 +2,59 @@
 
 Public functions (all bit-identical to ComfyUI's stock ops followed by comfy-kitchen's CUDA packer):
 
-* :func:`pack_nvfp4` - NVFP4-pack an activation read through a *source* (plain rows, adaLN-modulated rows,
-  or SwiGLU of an fc1 output), with a dynamic (device-computed) or static global scale.
-* :func:`gated_residual_` - ``x[r] += other[r] * gate[mod_index[r]]`` in place.
+* :func:`pack_nvfp4` - NVFP4-pack an activation read through a *source* (plain rows, RMSNorm and/or adaLN
+  modulation, or SwiGLU of an fc1 output), with a dynamic (device-computed), precomputed or static global scale.
+* :func:`norm_statistics` - torch's RMSNorm rstd of every row, optionally with the amax of the modulated, normalized
+  rows (the next projection's global scale): the norm's output itself is never written.
+* :func:`gated_residual_` - ``x[r] += other[r] * gate[mod_index[r]]`` in place, optionally followed in the same pass
+  by :func:`norm_statistics` of the new x.
 * :func:`rms_rope_split_half_` - comfy-kitchen's per-head RMSNorm + split-half RoPE for H3's q/k views, in place.
-* :func:`pack_support`, :func:`rms_rope_support` - ``None`` if the kernel can take these tensors, else the reason
-  (callers fall back to ComfyUI's path with that reason instead of raising in the user's graph).
-* :func:`silu_table` - torch's bf16 silu of all 65,536 bf16 values, built once per device; the SwiGLU pack looks
-  silu up in it (from shared memory) where 128 KB of shared memory per CTA is available.
+* ``*_support`` - ``None`` if a kernel can take these tensors, else the reason (callers fall back to ComfyUI's path
+  with that reason instead of raising in the user's graph).
 
-Layouts (must match reference/nvfp4.py and kernels/nvfp4_pack.cu): qdata ``uint8 [roundup(M,16), K/2]``
-with the even element in the high nibble; block scales ``float8_e4m3fn [roundup(roundup(M,16),128),
-roundup(K/16,4)]`` in cuBLAS's 128x4 tiled layout, padding bytes 0.
+Layouts: layout.py. Launch shapes: :data:`LAUNCH`, the one source of these values (passed to NVRTC as ``-D``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
-from dataclasses import dataclass
 
 import torch
 
+from ..layout import Modulation, PackedActivation, RmsNorm, packed_buffer_layout, roundup
 from . import runtime
+
+# Launch shapes. The kernels are compiled with these values (kernel_defines) and the grids computed from them.
+LAUNCH = {
+    "PACK_THREADS": 256, "ABSMAX_THREADS": 512, "ITEMS": 1, "PLAIN_ITEMS": 4, "SILU_TABLE_THREADS": 512,
+    "RESIDUAL_THREADS": 256, "ROW_NORM_THREADS": 256, "ROW_NORM_MAX_STEPS": 11,
+}
+ABSMAX_CTAS_PER_SM = 4
+# The RMSNorm + RoPE kernel handles H3's heads only: 128 dims, rotation over the first 96 (48 pairs).
+ROPE_HEAD_DIM, ROPE_ROT_DIM, ROPE_THREADS, ROPE_THREADS_PER_HEAD = 128, 96, 256, 8
+ROPE_DEFINES = (("ROPE_HEAD_DIM", ROPE_HEAD_DIM), ("ROPE_ROT_DIM", ROPE_ROT_DIM), ("ROPE_THREADS", ROPE_THREADS),
+                ("ROPE_THREADS_PER_HEAD", ROPE_THREADS_PER_HEAD))
+ROW_NORM_MAX_COLS = 512 * LAUNCH["ROW_NORM_MAX_STEPS"]  # one warp keeps a row of up to 5632 values in registers
+EMULATE_BLACKWELL_ENV = "H3_FUSED_NVFP4_EMULATE_BLACKWELL"
+EXTRA_DEFINES: tuple = ()  # tests only: planted faults (e.g. (("NVFP4_PLANT_FAULT", 1),))
+
+
+def emulating_blackwell() -> bool:
+    return os.environ.get(EMULATE_BLACKWELL_ENV) == "1"
+
+
+def kernel_defines(source: str = "nvfp4_pack.cu") -> tuple:
+    """The ``-D`` options every build of ``source`` gets."""
+    base = ROPE_DEFINES if source == "h3_rms_rope.cu" else tuple(sorted(LAUNCH.items()))
+    return base + ((("NVFP4_EMULATE_BLACKWELL", 1),) if emulating_blackwell() else ()) + tuple(EXTRA_DEFINES)
+
+
+def module_for(device: torch.device, source: str = "nvfp4_pack.cu"):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return runtime.module(index, source=source, defines=kernel_defines(source))
+
 
 # ---- ctypes mirrors of the kernel parameter structs (must match nvfp4_pack.cu) ----------------------------
 
@@ -34,7 +64,7 @@ class _SourceParams(ctypes.Structure):
         ("x", ctypes.c_void_p), ("x_row_stride", ctypes.c_int64), ("rows", ctypes.c_int64),
         ("cols", ctypes.c_int64), ("up_offset", ctypes.c_int64), ("mod_scale", ctypes.c_void_p),
         ("mod_shift", ctypes.c_void_p), ("mod_row_stride", ctypes.c_int64), ("mod_index", ctypes.c_void_p),
-        ("silu_table", ctypes.c_void_p),
+        ("silu_table", ctypes.c_void_p), ("rstd", ctypes.c_void_p), ("norm_weight", ctypes.c_void_p),
     ]
 
 
@@ -42,15 +72,16 @@ class _PackParams(ctypes.Structure):
     _fields_ = [
         ("src", _SourceParams), ("global_scale", ctypes.c_void_p), ("qdata", ctypes.c_void_p),
         ("scales", ctypes.c_void_p), ("rows16", ctypes.c_int64), ("rows128", ctypes.c_int64),
-        ("groups", ctypes.c_int64),
+        ("groups", ctypes.c_int64), ("alpha_out", ctypes.c_void_p), ("weight_scale_2", ctypes.c_void_p),
     ]
+
+
+class _GlobalScaleOut(ctypes.Structure):
+    _fields_ = [("workspace", ctypes.c_void_p), ("global_scale", ctypes.c_void_p)]
 
 
 class _AbsmaxParams(ctypes.Structure):
-    _fields_ = [
-        ("src", _SourceParams), ("workspace", ctypes.c_void_p), ("global_scale_out", ctypes.c_void_p),
-        ("alpha_out", ctypes.c_void_p), ("weight_scale_2", ctypes.c_void_p),
-    ]
+    _fields_ = [("src", _SourceParams), ("out", _GlobalScaleOut)]
 
 
 class _GatedResidualParams(ctypes.Structure):
@@ -61,43 +92,54 @@ class _GatedResidualParams(ctypes.Structure):
     ]
 
 
-# Launch shape; must match the defaults in nvfp4_pack.cu. TUNING_DEFINES overrides both (benchmarks only).
-DEFAULT_TUNING = {"PACK_THREADS": 256, "ABSMAX_THREADS": 512, "ITEMS": 1, "ABSMAX_CTAS_PER_SM": 4,
-                  "SILU_TABLE_THREADS": 512, "SILU_TABLE": 1}
-RESIDUAL_THREADS = 256
-TUNING_DEFINES: tuple = ()
+class _RowNormParams(ctypes.Structure):
+    _fields_ = [
+        ("x", ctypes.c_void_p), ("x_row_stride", ctypes.c_int64), ("other", ctypes.c_void_p),
+        ("other_row_stride", ctypes.c_int64), ("gate", ctypes.c_void_p), ("gate_row_stride", ctypes.c_int64),
+        ("mod_index", ctypes.c_void_p), ("rows", ctypes.c_int64), ("cols", ctypes.c_int64),
+        ("norm_weight", ctypes.c_void_p), ("eps", ctypes.c_float), ("rstd", ctypes.c_void_p),
+        ("mod_scale", ctypes.c_void_p), ("mod_shift", ctypes.c_void_p), ("mod_row_stride", ctypes.c_int64),
+        ("out", _GlobalScaleOut),
+    ]
 
 
-def _module(device: torch.device):
-    mod = runtime.module(device.index, defines=TUNING_DEFINES)
-    tuning = {**DEFAULT_TUNING, **{k: int(v) for k, v in mod.defines.items() if k in DEFAULT_TUNING}}
-    return mod, tuning
-
-
-def _roundup(v: int, m: int) -> int:
-    return (v + m - 1) // m * m
-
-
-# ---- sources ----------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Modulation:
-    """adaLN modulation applied on the fly: ``h = bf16(bf16(x * bf16(1 + scale[m])) + shift[m])``.
-
-    ``scale``/``shift``: bf16 ``[rows, K]`` tables (row stride free, unit column stride), ``mod_index``: int32
-    ``[M]`` on the device, the table row of every token.
-    """
-
-    scale: torch.Tensor
-    shift: torch.Tensor
-    mod_index: torch.Tensor
-
+# ---- validation --------------------------------------------------------------------------------------------
 
 def _aligned(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.dim() < 2 or t.stride(0) % 8 == 0)
 
 
-def pack_support(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulation | None = None) -> str | None:
+def _modulation_refusal(modulation: Modulation, x: torch.Tensor, k: int) -> str | None:
+    for name in ("scale", "shift"):
+        t = getattr(modulation, name)
+        if t.dtype != torch.bfloat16 or t.dim() != 2 or t.shape[1] != k or not _aligned(t) or t.device != x.device:
+            return f"the modulation {name} table must be bf16 [rows, {k}], 16-byte aligned, on {x.device}"
+    if modulation.scale.stride() != modulation.shift.stride():
+        return "the modulation scale and shift tables must share one row stride"
+    idx = modulation.mod_index
+    if idx.dtype != torch.int32 or idx.shape != (x.shape[0],) or idx.device != x.device:
+        return "the modulation index must be int32 [M] on the activation's device"
+    return None
+
+
+def rms_norm_support(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """None if the kernels reproduce torch's CUDA ``rms_norm(x, weight)`` for these tensors, else why not."""
+    if not x.is_cuda or x.dtype != torch.bfloat16 or x.dim() != 2:
+        return "only 2-D bf16 CUDA activations"
+    if weight.dtype != x.dtype:  # torch itself takes its composite path then (other bits)
+        return f"the norm weight is {weight.dtype}, the activation {x.dtype}"
+    k = x.shape[1]
+    if k % 16 or k > ROW_NORM_MAX_COLS:
+        return f"the width {k} is not a multiple of 16 up to {ROW_NORM_MAX_COLS}"
+    if not _aligned(x) or weight.stride(-1) != 1 or weight.data_ptr() % 16:
+        return "the rows and the norm weight must be 16-byte aligned"
+    if x.shape[0] * max(x.stride(0), k) >= 2**31:
+        return "the activation is too large for one launch"
+    return None
+
+
+def pack_support(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulation | None = None,
+                 norm: RmsNorm | None = None) -> str | None:
     """``None`` if the fused pack accepts these inputs, otherwise a human-readable reason."""
     if not x.is_cuda:
         return "the activation is not on a CUDA device"
@@ -105,43 +147,45 @@ def pack_support(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulatio
         return f"the activation is {x.dtype}, the fused pack takes bfloat16"
     if x.dim() != 2:
         return f"the activation must be 2-D, got {x.dim()}-D"
+    if swiglu and (modulation is not None or norm is not None):
+        return "a source is either SwiGLU or normalized / modulated"
+    if norm is not None and modulation is None:
+        return "a normalized source is also modulated (H3's adaLN)"
     k = x.shape[1] // 2 if swiglu else x.shape[1]
     if k % 16 or (swiglu and x.shape[1] % 2):
         return f"the feature width {k} is not a multiple of 16"
     if not _aligned(x):
         return "the activation rows are not 16-byte aligned with unit column stride"
     if modulation is not None:
-        for name in ("scale", "shift"):
-            t = getattr(modulation, name)
-            if t.dtype != torch.bfloat16 or t.dim() != 2 or t.shape[1] != k or not _aligned(t) or t.device != x.device:
-                return f"the modulation {name} table must be bf16 [rows, {k}], 16-byte aligned, on {x.device}"
-        if modulation.scale.stride() != modulation.shift.stride():
-            return "the modulation scale and shift tables must share one row stride"
-        idx = modulation.mod_index
-        if idx.dtype != torch.int32 or idx.shape != (x.shape[0],) or idx.device != x.device:
-            return "the modulation index must be int32 [M] on the activation's device"
-    if _roundup(x.shape[0], 128) * (_roundup(k // 16, 4) // 4) * 8 >= 2**31:
+        reason = _modulation_refusal(modulation, x, k)
+        if reason is not None:
+            return reason
+    if norm is not None:
+        reason = rms_norm_support(x, norm.weight)
+        if reason is not None:
+            return reason
+        if norm.rstd.dtype != torch.float32 or norm.rstd.shape != (x.shape[0],) or norm.rstd.device != x.device:
+            return "the norm statistics must be fp32 [M] on the activation's device"
+    if roundup(x.shape[0], 128) * (roundup(k // 16, 4) // 4) * 8 >= 2**31:
         return "the activation is too large for one launch"  # the kernels index with 32-bit integers
     return None
 
 
-def _source(x: torch.Tensor, k: int, swiglu: bool, modulation: Modulation | None) -> _SourceParams:
-    src = _SourceParams(x.data_ptr(), x.stride(0), x.shape[0], k, k if swiglu else 0, None, None, 0, None)
-    if modulation is not None:
-        src.mod_scale = modulation.scale.data_ptr()
-        src.mod_shift = modulation.shift.data_ptr()
-        src.mod_row_stride = modulation.scale.stride(0)
-        src.mod_index = modulation.mod_index.data_ptr()
-    return src
+def residual_support(x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor, *,
+                     next_norm: RmsNorm | None = None) -> str | None:
+    for name, t in (("x", x), ("other", other), ("gate", gate)):
+        if not t.is_cuda or t.dtype != torch.bfloat16 or t.dim() != 2 or not _aligned(t) or t.device != x.device:
+            return f"{name} must be a 16-byte aligned bf16 2-D tensor on the GPU"
+    if other.shape != x.shape or gate.shape[1] != x.shape[1] or x.shape[1] % 8:
+        return f"shape mismatch: x {tuple(x.shape)}, other {tuple(other.shape)}, gate {tuple(gate.shape)}"
+    if next_norm is not None:
+        return rms_norm_support(x, next_norm.weight)
+    if x.shape[0] * x.stride(0) >= 2**31:
+        return "the activation is too large for one launch"
+    return None
 
 
-def _variant(swiglu: bool, modulation: Modulation | None) -> str:
-    if swiglu and modulation is not None:
-        raise ValueError("a source is either SwiGLU or modulated, not both")
-    return "swiglu" if swiglu else ("modulate" if modulation is not None else "plain")
-
-
-# ---- global-scale workspace: {amax bits, finished-CTA counter}, re-armed by the kernel itself -------------
+# ---- per-(device, stream) workspace of the grid-wide amax: {amax bits, finished-CTA counter} -------------------
 
 _workspaces: dict[tuple[int, int], torch.Tensor] = {}
 _workspace_lock = threading.Lock()
@@ -154,6 +198,10 @@ def _workspace(device: torch.device, stream: int) -> torch.Tensor:
         with _workspace_lock:
             ws = _workspaces.setdefault(key, torch.zeros(2, dtype=torch.int32, device=device))
     return ws
+
+
+def _global_scale_out(device, stream, out: torch.Tensor) -> _GlobalScaleOut:
+    return _GlobalScaleOut(_workspace(device, stream).data_ptr(), out.data_ptr())
 
 
 # ---- SwiGLU silu table: torch's own bf16 silu of every bf16 bit pattern --------------------------------------
@@ -176,44 +224,48 @@ def silu_table(device: torch.device) -> torch.Tensor:
 
 
 def _silu_table_fits(mod) -> bool:
-    """The table kernel needs 128 KB of shared memory per CTA (sm_90 / sm_100 have 227 KB, sm_120 has 99 KB)."""
-    return mod.max_shared_per_block >= SILU_TABLE_SHARED_BYTES
+    """The table kernel needs 128 KB of shared memory per CTA (sm_90 / sm_100 have 227 KB, sm_120 has 99 KB); the
+    Blackwell emulation build takes the sm_120 path (silu evaluated)."""
+    return mod.max_shared_per_block >= SILU_TABLE_SHARED_BYTES and not emulating_blackwell()
 
 
 # ---- public API -------------------------------------------------------------------------------------------
 
-@dataclass
-class PackedActivation:
-    qdata: torch.Tensor         # uint8 [rows16, K/2]
-    block_scales: torch.Tensor  # float8_e4m3fn [rows128, roundup(K/16, 4)], swizzled
-    global_scale: torch.Tensor  # fp32 [1]
-    alpha: torch.Tensor | None  # fp32 [1]: global_scale * weight_scale_2 (dynamic mode with a weight scale)
-    rows: int
-    cols: int
-
-
-def _buffer_layout(rows: int, k: int) -> tuple[int, int, int, int, int]:
-    """(qdata bytes, scale offset, scale bytes, scalar offset, total bytes) of the single output buffer."""
-    rows16 = _roundup(rows, 16)
-    q_bytes = rows16 * (k // 2)
-    s_off = _roundup(q_bytes, 256)
-    s_bytes = _roundup(rows16, 128) * _roundup(k // 16, 4)
-    g_off = _roundup(s_off + s_bytes, 16)
-    return q_bytes, s_off, s_bytes, g_off, g_off + 8
-
-
 def packed_buffer_bytes(rows: int, k: int) -> int:
     """Size of the uint8 buffer :func:`pack_nvfp4` writes (pass one as ``out`` to reuse or poison it)."""
-    return _buffer_layout(rows, k)[4]
+    return packed_buffer_layout(rows, k)[4]
+
+
+def _source(x: torch.Tensor, k: int, swiglu: bool, modulation: Modulation | None, norm: RmsNorm | None):
+    src = _SourceParams(x.data_ptr(), x.stride(0), x.shape[0], k, k if swiglu else 0)
+    if modulation is not None:
+        src.mod_scale = modulation.scale.data_ptr()
+        src.mod_shift = modulation.shift.data_ptr()
+        src.mod_row_stride = modulation.scale.stride(0)
+        src.mod_index = modulation.mod_index.data_ptr()
+    if norm is not None:
+        src.rstd = norm.rstd.data_ptr()
+        src.norm_weight = norm.weight.data_ptr()
+    return src
+
+
+def _variant(swiglu: bool, modulation: Modulation | None, norm: RmsNorm | None) -> str:
+    if swiglu:
+        return "swiglu"
+    if norm is not None:
+        return "norm_modulate"
+    return "modulate" if modulation is not None else "plain"
 
 
 def pack_nvfp4(
     x: torch.Tensor,
     *,
     static_scale: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
     weight_scale_2: torch.Tensor | None = None,
     swiglu: bool = False,
     modulation: Modulation | None = None,
+    norm: RmsNorm | None = None,
     out: torch.Tensor | None = None,
 ) -> PackedActivation:
     """NVFP4-pack ``h = source(x)`` exactly like comfy-kitchen's CUDA ``quantize_nvfp4`` after ComfyUI's ops.
@@ -221,25 +273,29 @@ def pack_nvfp4(
     Args:
         x: bf16 ``[M, K]`` (``[M, 2K]`` fc1 output for ``swiglu=True``: gate half first), any row stride that
             keeps rows 16-byte aligned; read in place.
+        static_scale: fp32 one-element device tensor (the layer's ``input_scale``).
+        global_scale: fp32 one-element device tensor already holding ComfyUI's dynamic scale of ``h`` (written by
+            :func:`norm_statistics` / :func:`gated_residual_` earlier on the stream).
+            Neither: the dynamic scale ``bf16(amax|h| / 2688)`` is computed here in one extra launch.
+        weight_scale_2: fp32 one-element device tensor; the pack then writes the GEMM alpha (activation scale x
+            weight scale) next to the global scale, so no follow-up launch computes it.
+        modulation / norm / swiglu: the source (module docstring).
         out: optional contiguous uint8 buffer of :func:`packed_buffer_bytes` bytes to write into.
-        static_scale: fp32 one-element device tensor (the layer's ``input_scale``); ``None`` = dynamic scale
-            ``bf16(amax|h| / 2688)`` computed on the device in one extra launch.
-        weight_scale_2: fp32 one-element device tensor; in dynamic mode the GEMM alpha (activation scale x
-            weight scale) is written next to the global scale, so no follow-up launch computes it.
-        swiglu / modulation: the source, see the module docstring.
 
-    Two launches in dynamic mode (reduction, pack), one in static mode; no host sync, one allocation.
+    One launch with a static or precomputed scale, two otherwise; no host sync, one allocation.
     """
-    reason = pack_support(x, swiglu=swiglu, modulation=modulation)
+    reason = pack_support(x, swiglu=swiglu, modulation=modulation, norm=norm)
     if reason is not None:
         raise ValueError(reason)
-    variant = _variant(swiglu, modulation)
+    if static_scale is not None and global_scale is not None:
+        raise ValueError("pass a static or a precomputed global scale, not both")
+    if global_scale is None and static_scale is None and norm is not None:
+        raise ValueError("a normalized source takes its global scale from norm_statistics")
+    variant = _variant(swiglu, modulation, norm)
     rows = x.shape[0]
     k = x.shape[1] // 2 if swiglu else x.shape[1]
-    rows16 = _roundup(rows, 16)
-    rows128 = _roundup(rows16, 128)
-    groups = _roundup(k // 16, 4) // 4
-    q_bytes, s_off, s_bytes, g_off, total = _buffer_layout(rows, k)
+    rows16, rows128, groups = roundup(rows, 16), roundup(roundup(rows, 16), 128), roundup(k // 16, 4) // 4
+    q_bytes, s_off, s_bytes, g_off, total = packed_buffer_layout(rows, k)
     if out is None:
         buf = torch.empty(total, dtype=torch.uint8, device=x.device)  # qdata | scales | g, alpha
     elif out.dtype != torch.uint8 or out.numel() < total or not out.is_contiguous() or out.device != x.device:
@@ -250,55 +306,108 @@ def pack_nvfp4(
     scales = buf[s_off:s_off + s_bytes].view(rows128, groups * 4).view(torch.float8_e4m3fn)
     scalars = buf[g_off:g_off + 8].view(torch.float32)
 
-    mod, tuning = _module(x.device)
+    mod = module_for(x.device)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    src = _source(x, k, swiglu, modulation)
-    alpha = None
-    if static_scale is None:
-        want_alpha = weight_scale_2 is not None
-        params = _AbsmaxParams(
-            src, _workspace(x.device, stream).data_ptr(), scalars.data_ptr(),
-            scalars.data_ptr() + 4 if want_alpha else None,
-            weight_scale_2.data_ptr() if want_alpha else None,
-        )
+    src = _source(x, k, swiglu, modulation, norm)
+    if static_scale is not None:
+        global_scale = static_scale.reshape(1)
+    elif global_scale is not None:
+        global_scale = global_scale.reshape(1)
+    else:
+        params = _AbsmaxParams(src, _global_scale_out(x.device, stream, scalars[0:1]))
         chunks = rows * (k // 8)
-        threads = tuning["ABSMAX_THREADS"]
-        grid = max(1, min(-(-chunks // (threads * tuning["ITEMS"])), mod.sm_count * tuning["ABSMAX_CTAS_PER_SM"]))
+        threads = LAUNCH["ABSMAX_THREADS"]
+        items = LAUNCH["PLAIN_ITEMS"] if variant == "plain" else LAUNCH["ITEMS"]
+        grid = max(1, min(-(-chunks // (threads * items)), mod.sm_count * ABSMAX_CTAS_PER_SM))
         mod.launch(f"nvfp4_absmax_{variant}", grid, threads, params, stream)
         global_scale = scalars[0:1]
-        alpha = scalars[1:2] if want_alpha else None
-    else:
-        global_scale = static_scale.reshape(1)
-    kernel, threads, shared = f"nvfp4_pack_{variant}", tuning["PACK_THREADS"], 0
+    want_alpha = weight_scale_2 is not None and static_scale is None
+    kernel, threads, shared = f"nvfp4_pack_{variant}", LAUNCH["PACK_THREADS"], 0
     grid = max(1, min(-(-rows128 // (threads // 32)), mod.sm_count * 64))  # one warp per row
-    if variant == "swiglu" and tuning["SILU_TABLE"] and _silu_table_fits(mod):
+    if variant == "swiglu" and _silu_table_fits(mod):
         src.silu_table = silu_table(x.device).data_ptr()
-        kernel, threads, shared = "nvfp4_pack_swiglu_table", tuning["SILU_TABLE_THREADS"], SILU_TABLE_SHARED_BYTES
+        kernel, threads, shared = "nvfp4_pack_swiglu_table", LAUNCH["SILU_TABLE_THREADS"], SILU_TABLE_SHARED_BYTES
         grid = max(1, min(-(-rows128 // (threads // 32)), mod.sm_count))  # one CTA per SM, persistent
     params = _PackParams(src, global_scale.data_ptr(), qdata.data_ptr(), scales.view(torch.uint8).data_ptr(),
-                         rows16, rows128, groups)
+                         rows16, rows128, groups, scalars[1:2].data_ptr() if want_alpha else None,
+                         weight_scale_2.data_ptr() if want_alpha else None)
     mod.launch(kernel, grid, threads, params, stream, shared_bytes=shared)
-    return PackedActivation(qdata, scales, global_scale, alpha, rows, k)
+    return PackedActivation(qdata, scales, global_scale, scalars[1:2] if want_alpha else None, rows, k)
 
 
-def gated_residual_(x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor, mod_index: torch.Tensor) -> torch.Tensor:
-    """In place ``x[r] = bf16(x[r] + other[r] * gate[mod_index[r]])``, torch's CUDA ``addcmul_`` arithmetic."""
-    for name, t in (("x", x), ("other", other), ("gate", gate)):
-        if t.dtype != torch.bfloat16 or t.dim() != 2 or not _aligned(t) or t.device != x.device:
-            raise ValueError(f"{name} must be a 16-byte aligned bf16 2-D tensor on {x.device}")
-    if other.shape != x.shape or gate.shape[1] != x.shape[1] or x.shape[1] % 8:
-        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, other {tuple(other.shape)}, gate {tuple(gate.shape)}")
+def _row_norm_launch(kernel: str, x, norm: RmsNorm, *, other=None, gate=None, mod_index=None,
+                     modulation: Modulation | None = None, global_scale_out=None) -> None:
+    mod = module_for(x.device)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    params = _RowNormParams(x.data_ptr(), x.stride(0), None, 0, None, 0, None, x.shape[0], x.shape[1],
+                            norm.weight.data_ptr(), float(norm.eps), norm.rstd.data_ptr())
+    if other is not None:
+        params.other, params.other_row_stride = other.data_ptr(), other.stride(0)
+        params.gate, params.gate_row_stride = gate.data_ptr(), gate.stride(0)
+    index = mod_index if mod_index is not None else (modulation.mod_index if modulation is not None else None)
+    if index is not None:
+        params.mod_index = index.data_ptr()
+    if global_scale_out is not None:
+        params.mod_scale, params.mod_shift = modulation.scale.data_ptr(), modulation.shift.data_ptr()
+        params.mod_row_stride = modulation.scale.stride(0)
+        params.out = _global_scale_out(x.device, stream, global_scale_out)
+    threads = LAUNCH["ROW_NORM_THREADS"]
+    grid = max(1, min(-(-x.shape[0] // (threads // 32)), mod.sm_count * 8))  # one warp per row
+    mod.launch(kernel, grid, threads, params, stream)
+
+
+def _check_norm_outputs(x, norm: RmsNorm, modulation, global_scale_out):
+    reason = rms_norm_support(x, norm.weight)
+    if reason is None and (norm.rstd.dtype != torch.float32 or norm.rstd.shape != (x.shape[0],)
+                           or not norm.rstd.is_contiguous() or norm.rstd.device != x.device):
+        reason = "rstd must be a contiguous fp32 [M] tensor on the activation's device"
+    if reason is None and global_scale_out is not None:
+        if modulation is None:
+            reason = "the amax of the next projection's input needs its modulation"
+        else:
+            reason = _modulation_refusal(modulation, x, x.shape[1])
+        if reason is None and (global_scale_out.dtype != torch.float32 or global_scale_out.numel() != 1
+                               or global_scale_out.device != x.device):
+            reason = "global_scale_out must be an fp32 one-element tensor on the activation's device"
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def norm_statistics(x: torch.Tensor, norm: RmsNorm, *, modulation: Modulation | None = None,
+                    global_scale_out: torch.Tensor | None = None) -> None:
+    """Write torch's CUDA RMSNorm ``rstd`` of every row of ``x`` into ``norm.rstd``; with ``global_scale_out``, also
+    ComfyUI's dynamic global scale of ``modulate(rms_norm(x))``. One launch, one read of ``x``."""
+    _check_norm_outputs(x, norm, modulation, global_scale_out)
+    kernel = "h3_row_norm_amax" if global_scale_out is not None else "h3_row_norm_stats"
+    _row_norm_launch(kernel, x, norm, modulation=modulation, global_scale_out=global_scale_out)
+
+
+def gated_residual_(x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor, mod_index: torch.Tensor, *,
+                    next_norm: RmsNorm | None = None, next_modulation: Modulation | None = None,
+                    global_scale_out: torch.Tensor | None = None) -> torch.Tensor:
+    """In place ``x[r] = bf16(x[r] + other[r] * gate[mod_index[r]])`` (torch's CUDA ``addcmul_`` arithmetic); with
+    ``next_norm`` the same pass also does :func:`norm_statistics` of the new x."""
+    reason = residual_support(x, other, gate, next_norm=next_norm)
+    if reason is not None:
+        raise ValueError(reason)
     if mod_index.dtype != torch.int32 or mod_index.shape != (x.shape[0],):
         raise ValueError("mod_index must be int32 [M]")
-    mod, _ = _module(x.device)
+    if next_norm is not None:
+        _check_norm_outputs(x, next_norm, next_modulation, global_scale_out)
+        kernel = "h3_row_norm_residual_amax" if global_scale_out is not None else "h3_row_norm_residual_stats"
+        _row_norm_launch(kernel, x, next_norm, other=other, gate=gate, mod_index=mod_index,
+                         modulation=next_modulation, global_scale_out=global_scale_out)
+        return x
+    mod = module_for(x.device)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     params = _GatedResidualParams(
         x.data_ptr(), x.stride(0), other.data_ptr(), other.stride(0), gate.data_ptr(), gate.stride(0),
         mod_index.data_ptr(), x.shape[0], x.shape[1],
     )
     chunks = x.shape[0] * (x.shape[1] // 8)
-    grid = max(1, min(-(-chunks // RESIDUAL_THREADS), mod.sm_count * 32))
-    mod.launch("h3_gated_residual", grid, RESIDUAL_THREADS, params, stream)
+    threads = LAUNCH["RESIDUAL_THREADS"]
+    grid = max(1, min(-(-chunks // threads), mod.sm_count * 32))
+    mod.launch("h3_gated_residual", grid, threads, params, stream)
     return x
 
 
@@ -308,13 +417,8 @@ class _RmsRopeParams(ctypes.Structure):
     _fields_ = [
         ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("row_stride", ctypes.c_int64), ("freqs", ctypes.c_void_p),
         ("q_weight", ctypes.c_void_p), ("k_weight", ctypes.c_void_p), ("tokens", ctypes.c_int64),
-        ("heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("rot_dim", ctypes.c_int32), ("eps", ctypes.c_float),
+        ("heads", ctypes.c_int32), ("eps", ctypes.c_float),
     ]
-
-
-ROPE_THREADS = 256  # must match h3_rms_rope.cu
-ROPE_HEAD_DIM, ROPE_ROT_DIM = 128, 96
-ROPE_THREADS_PER_HEAD = 8  # must match h3_rms_rope.cu; each thread accesses 8 bytes at a time
 
 
 def rms_rope_support(q, k, freqs, q_weight, k_weight, rot_dim) -> str | None:
@@ -345,11 +449,11 @@ def rms_rope_split_half_(q, k, freqs, q_weight, k_weight, epsilon: float, rot_di
     reason = rms_rope_support(q, k, freqs, q_weight, k_weight, rot_dim)
     if reason is not None:
         raise ValueError(reason)
-    mod = runtime.module(q.device.index, source="h3_rms_rope.cu", defines=TUNING_DEFINES)
+    mod = module_for(q.device, "h3_rms_rope.cu")
     stream = torch.cuda.current_stream(q.device).cuda_stream
     tokens, heads = q.shape[1], q.shape[2]
     params = _RmsRopeParams(q.data_ptr(), k.data_ptr(), q.stride(1), freqs.data_ptr(), q_weight.data_ptr(),
-                            k_weight.data_ptr(), tokens, heads, ROPE_HEAD_DIM, rot_dim, float(epsilon))
+                            k_weight.data_ptr(), tokens, heads, float(epsilon))
     grid = max(1, min(-(-(tokens * heads) // (ROPE_THREADS // ROPE_THREADS_PER_HEAD)), mod.sm_count * 32))
     mod.launch("h3_rms_rope_split_half", grid, ROPE_THREADS, params, stream)
     return q, k

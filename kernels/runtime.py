@@ -8,7 +8,12 @@ Only ``ctypes`` is used: NVRTC ships with CUDA-13 builds of torch (``nvidia/cu13
 ``libcuda``, so the pack needs no compiler, no extra Python package and no build step at install time.
 
 Cache: ``$H3_FUSED_NVFP4_CACHE`` or ``~/.cache/h3_fused_nvfp4``; one cubin per (schema version, source and
-header digests, options, arch, NVRTC version), written atomically. An in-memory dict sits in front.
+header digests, options, arch, NVRTC version), written atomically with a SHA-256 trailer. A file whose trailer
+does not match (truncated, corrupt) or that the driver refuses is rebuilt, not loaded. An in-memory dict sits in
+front.
+
+``H3_FUSED_NVFP4_EMULATE_BLACKWELL=1`` builds the Blackwell code path with a software model of its Blackwell-only
+instructions (nvfp4_common.cuh), for running the GPU parity suite on a Hopper development GPU.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ log = logging.getLogger("h3_fused_nvfp4")
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent
 HEADERS = ("nvfp4_common.cuh",)
 SOURCES = ("nvfp4_pack.cu", "h3_rms_rope.cu")
-CACHE_SCHEMA = 1
+CACHE_SCHEMA = 2
+CUBIN_TRAILER = b"H3FN"  # + 32-byte SHA-256 of the cubin
 # Arch-specific targets we build for; sm_90a is the Hopper development target (software E2M1).
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a", "sm_103a", "sm_110a", "sm_120a", "sm_121a")
 NVRTC_OPTIONS = ("--std=c++17",)  # no fast math: kernels spell out every approximate instruction in PTX
@@ -163,24 +169,57 @@ def compile_ptx(arch: str, source: str = SOURCES[0], defines: tuple = ()) -> str
     return ptx.rstrip(b"\0").decode()
 
 
-def cached_cubin(arch: str, source: str = SOURCES[0], defines: tuple = ()) -> bytes:
-    """``source``: a file name in this folder, or an absolute path (test kernels that include our headers)."""
+def cubin_cache_path(arch: str, source: str = SOURCES[0], defines: tuple = ()) -> pathlib.Path:
     key = hashlib.sha256(
         repr((CACHE_SCHEMA, source, source_digest(), _read(source), NVRTC_OPTIONS, defines, arch,
               nvrtc_version())).encode()
     ).hexdigest()[:32]
-    path = cache_dir() / f"{pathlib.Path(source).stem}-{arch}-{key}.cubin"
+    return cache_dir() / f"{pathlib.Path(source).stem}-{arch}-{key}.cubin"
+
+
+def _read_cached(path: pathlib.Path) -> bytes | None:
+    """The cubin stored at ``path`` if its trailer checks out, else None (and the bad file is removed)."""
     try:
-        return path.read_bytes()
+        data = path.read_bytes()
+    except OSError:
+        return None
+    cubin, trailer = data[:-36], data[-36:]
+    if len(data) > 36 and trailer[:4] == CUBIN_TRAILER and hashlib.sha256(cubin).digest() == trailer[4:]:
+        return cubin
+    log.warning("H3 fused NVFP4: kernel cache file %s is corrupt or truncated; rebuilding it", path)
+    discard_cached(path)
+    return None
+
+
+def discard_cached(path: pathlib.Path) -> None:
+    try:
+        path.unlink()
     except OSError:
         pass
+
+
+def atomic_write(path: pathlib.Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        discard_cached(pathlib.Path(tmp))
+        raise
+
+
+def cached_cubin(arch: str, source: str = SOURCES[0], defines: tuple = ()) -> bytes:
+    """``source``: a file name in this folder, or an absolute path (test kernels that include our headers)."""
+    path = cubin_cache_path(arch, source, defines)
+    cubin = _read_cached(path)
+    if cubin is not None:
+        return cubin
     cubin = compile_cubin(arch, source, defines)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(cubin)
-        os.replace(tmp, path)
+        atomic_write(path, cubin + CUBIN_TRAILER + hashlib.sha256(cubin).digest())
     except OSError as exc:  # a read-only home is not a reason to fail
         log.debug("could not cache %s: %s", path, exc)
     return cubin
@@ -236,15 +275,23 @@ class Module:
         self.arch = device_arch(device_index)
         if self.arch not in SUPPORTED_ARCHS:
             raise KernelBuildError(f"no kernels for {self.arch} (supported: {', '.join(SUPPORTED_ARCHS)})")
-        cubin = cached_cubin(self.arch, source, defines)
         lib = driver()
         with torch.cuda.device(device_index):
             torch.cuda.current_stream()  # makes the device's primary context current on this thread
             self._context = ctypes.c_void_p()
             _check_cu(lib, lib.cuCtxGetCurrent(ctypes.byref(self._context)), "cuCtxGetCurrent")
             self._module = ctypes.c_void_p()
-            self._image = ctypes.create_string_buffer(cubin, len(cubin))
-            _check_cu(lib, lib.cuModuleLoadData(ctypes.byref(self._module), self._image), "cuModuleLoadData")
+            for attempt in range(2):
+                cubin = cached_cubin(self.arch, source, defines)
+                self._image = ctypes.create_string_buffer(cubin, len(cubin))
+                result = lib.cuModuleLoadData(ctypes.byref(self._module), self._image)
+                if result == 0 or attempt == 1:
+                    break
+                # a cached file the driver refuses (written by another driver, damaged): rebuild it once
+                log.warning("H3 fused NVFP4: the driver refused the cached kernels for %s (CUDA error %d); rebuilding",
+                            self.arch, result)
+                discard_cached(cubin_cache_path(self.arch, source, defines))
+            _check_cu(lib, result, "cuModuleLoadData")
         self._functions: dict[str, ctypes.c_void_p] = {}
         self._shared_limit: dict[str, int] = {}
         props = torch.cuda.get_device_properties(device_index)

@@ -42,6 +42,14 @@ def _scope_input():
                   advanced=True)
 
 
+KEEP_SCOPE = "as patched"
+
+
+def _toggle_scope_input():
+    return _input(io.Combo.Input, "scope", options=[KEEP_SCOPE, *patch.SCOPES], default=KEEP_SCOPE, advanced=True,
+                  tooltip=f"{KEEP_SCOPE}: the scope the Loader / Patch node used (block if none). " + SCOPE_TOOLTIP)
+
+
 def _output(model, summary: str) -> io.NodeOutput:
     return io.NodeOutput(model, ui=ui.PreviewText(summary))
 
@@ -135,16 +143,18 @@ class H3FusedNVFP4Toggle(io.ComfyNode):
                 io.Model.Input("model", tooltip="A MiniMax H3 model (patched or not); the output is a clone."),
                 io.Combo.Input("path", options=PATHS, default="fused",
                                tooltip="fused: this pack's kernels. comfy: ComfyUI's stock packer and linear path."),
-                _scope_input(),
+                _toggle_scope_input(),
             ],
             outputs=[io.Model.Output()],
         )
 
     @classmethod
-    def execute(cls, model, path="fused", scope="block") -> io.NodeOutput:
+    def execute(cls, model, path="fused", scope=KEEP_SCOPE) -> io.NodeOutput:
         if path == "comfy":
             clone, summary = patch.apply_comfy(model)
             return _output(clone, summary)
+        if scope == KEEP_SCOPE:
+            scope = patch.patched_scope(model)
         patched, report = patch.apply_fused(model, scope, allow_reference_backend=REFERENCE_ON_CPU)
         return _output(patched, report.summary())
 

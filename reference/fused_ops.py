@@ -1,34 +1,58 @@
-"""Python twin of kernels/ops.py for tensors that are not on a CUDA device (CPU tests, debugging).
+"""Python twin of kernels/ops.py for tensors that are not on a CUDA device (CPU tests, the self-check's logic).
 
-Same functions and arguments as the CUDA kernels, computed the stock way: the source op (adaLN modulation or
-SwiGLU) with ComfyUI's own torch op sequence (reference/h3_ops.py), the global scale with ComfyUI's expression,
-and the pack with comfy-kitchen's ``quantize_nvfp4`` -- on the CPU that is comfy-kitchen's eager backend, which
-is what stock ComfyUI runs there (it divides exactly where the CUDA packer multiplies by an approximate
-reciprocal, so the two differ on some static-scale ties; reference/nvfp4.py models the CUDA one). It
-materializes what the kernels fuse, so it saves nothing: it runs and tests the fused wiring without a GPU.
+Same functions and arguments as the CUDA kernels, computed with torch's own ops in the order the kernels promise
+to reproduce: RMSNorm is ``torch.nn.functional.rms_norm``, the adaLN modulation ``x * (1 + scale[m]) + shift[m]``
+with a bf16 rounding after each op, SwiGLU ``silu(gate) * up``, the residual ``x + other * gate[m]`` (torch's
+addcmul), the global scale ``bf16(amax|h| / 2688)`` and the pack comfy-kitchen's ``quantize_nvfp4`` (on the CPU its
+eager backend, which stock ComfyUI runs there too). It is written from those definitions, not from ComfyUI's code:
+the tests compare it with ComfyUI's real block. It materializes what the kernels fuse, so it saves nothing.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels.ops import Modulation, PackedActivation
-from . import h3_ops, nvfp4
+from ..layout import GLOBAL_SCALE_DIVISOR, Modulation, PackedActivation, RmsNorm
+
+def _rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return table[index.to(device=table.device, dtype=torch.long)]
 
 
-def source_output(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulation | None = None) -> torch.Tensor:
-    """The activation the pack quantizes: ``x``, ``swiglu(x)`` or the adaLN-modulated ``x`` (bf16 roundings
-    as ComfyUI's ``mul_``/``add_``)."""
-    if swiglu:
-        return h3_ops.swiglu(x)
-    if modulation is not None:
-        index = modulation.mod_index.to(device=x.device, dtype=torch.long)
-        one_plus_scale = (1.0 + modulation.scale)[index]
-        return x.mul(one_plus_scale).add_(modulation.shift[index])
-    return x
+def modulate(x: torch.Tensor, modulation: Modulation) -> torch.Tensor:
+    """``bf16(bf16(x * bf16(1 + scale[m])) + shift[m])`` per row (a new tensor)."""
+    scale, shift = _rows(modulation.scale, modulation.mod_index), _rows(modulation.shift, modulation.mod_index)
+    return x.mul(1.0 + scale).add_(shift)
 
 
-def pack_support(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulation | None = None) -> str | None:
+def swiglu(y: torch.Tensor) -> torch.Tensor:
+    gate, up = y.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate).mul_(up)
+
+
+def rms_norm(x: torch.Tensor, norm: RmsNorm) -> torch.Tensor:
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), norm.weight.to(x.dtype), norm.eps)
+
+
+def source_output(x: torch.Tensor, *, swiglu_source: bool = False, modulation: Modulation | None = None,
+                  norm: RmsNorm | None = None) -> torch.Tensor:
+    """The activation the pack quantizes."""
+    if swiglu_source:
+        return swiglu(x)
+    h = rms_norm(x, norm) if norm is not None else x
+    return modulate(h, modulation) if modulation is not None else h
+
+
+def dynamic_global_scale(h: torch.Tensor) -> torch.Tensor:
+    return (torch.amax(h.abs()) / GLOBAL_SCALE_DIVISOR).to(torch.float32).reshape(1)
+
+
+def rms_norm_support(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or weight.dtype != x.dtype:
+        return "only 2-D bf16 activations with a bf16 weight"
+    return None
+
+
+def pack_support(x, *, swiglu=False, modulation=None, norm=None) -> str | None:
     if x.dtype != torch.bfloat16:
         return f"the activation is {x.dtype}, the fused pack takes bfloat16"
     if x.dim() != 2:
@@ -39,23 +63,47 @@ def pack_support(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulatio
     return None
 
 
-def pack_nvfp4(x, *, static_scale=None, weight_scale_2=None, swiglu=False, modulation=None, out=None):
+def residual_support(x, other, gate, *, next_norm=None) -> str | None:
+    if other.shape != x.shape or gate.shape[-1] != x.shape[-1]:
+        return "shape mismatch"
+    return None
+
+
+def pack_nvfp4(x, *, static_scale=None, global_scale=None, weight_scale_2=None, swiglu=False, modulation=None,
+               norm=None, out=None) -> PackedActivation:
     import comfy_kitchen as ck
 
-    h = source_output(x, swiglu=swiglu, modulation=modulation)
-    if static_scale is None:
-        g = (torch.amax(h.abs()) / nvfp4.GLOBAL_SCALE_DIVISOR).to(torch.float32)  # ComfyUI's expression
+    h = source_output(x, swiglu_source=swiglu, modulation=modulation, norm=norm)
+    if static_scale is not None:
+        g = static_scale.to(torch.float32).reshape(1)
+    elif global_scale is not None:
+        g = global_scale.to(torch.float32).reshape(1)
     else:
-        g = static_scale.to(torch.float32).reshape(())
+        g = dynamic_global_scale(h)
     rows, cols = h.shape
-    qdata, scales = ck.quantize_nvfp4(h.contiguous(), g, pad_16x=rows % 16 != 0 or cols % 16 != 0)
-    g = g.reshape(1)
+    qdata, scales = ck.quantize_nvfp4(h.contiguous(), g.reshape(()), pad_16x=rows % 16 != 0 or cols % 16 != 0)
     alpha = None
     if static_scale is None and weight_scale_2 is not None:
-        alpha = nvfp4.gemm_alpha(g, weight_scale_2.to(g.device)).reshape(1)
+        alpha = (g * weight_scale_2.to(device=g.device, dtype=torch.float32)).reshape(1)
     return PackedActivation(qdata, scales, g, alpha, rows, cols)
 
 
-def gated_residual_(x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor, mod_index: torch.Tensor) -> torch.Tensor:
-    """``x[r] += other[r] * gate[mod_index[r]]`` with torch's addcmul_ (elementwise identical to per segment)."""
-    return x.addcmul_(other, gate[mod_index.to(device=x.device, dtype=torch.long)].to(x.dtype))
+def norm_statistics(x, norm: RmsNorm, *, modulation=None, global_scale_out=None) -> None:
+    """The twin keeps no rstd (its packs call rms_norm again); it writes the global scale where asked."""
+    if global_scale_out is not None:
+        global_scale_out.copy_(dynamic_global_scale(modulate(rms_norm(x, norm), modulation)))
+
+
+def gated_residual_(x, other, gate, mod_index, *, next_norm=None, next_modulation=None, global_scale_out=None):
+    x.addcmul_(other, _rows(gate, mod_index).to(x.dtype))
+    if next_norm is not None:
+        norm_statistics(x, next_norm, modulation=next_modulation, global_scale_out=global_scale_out)
+    return x
+
+
+def rms_rope_support(q, k, freqs, q_weight, k_weight, rot_dim) -> str | None:
+    return "the RMSNorm + RoPE kernel has no Python twin; comfy-kitchen's op runs"
+
+
+def rms_rope_split_half_(*args, **kwargs):
+    raise NotImplementedError("rms_rope_split_half_ runs comfy-kitchen's op off the GPU")

@@ -15,7 +15,7 @@ executes for every 16-element block of a row, with ``x`` bf16 and ``g`` the fp32
 Every fp32 multiply is ``.ftz``: subnormal operands and results become zeros of the same sign, so bf16
 subnormal inputs quantize to (signed) zero codes.
 
-Layout (must match ``kernels/nvfp4_common.cuh``):
+Layout (layout.py; must match ``kernels/nvfp4_common.cuh``):
   * qdata ``uint8 [roundup(M, 16), K/2]``, element ``2j`` of a row in the HIGH nibble of byte ``j``;
     rows ``M .. roundup(M,16)`` are packed from zeros with the real ``g``.
   * block scales ``float8_e4m3fn [roundup(roundup(M,16), 128), roundup(K/16, 4)]`` in cuBLAS's 128x4
@@ -33,36 +33,14 @@ from __future__ import annotations
 
 import torch
 
-FP4_MAX = 6.0
-E4M3_MAX = 448.0
-# ComfyUI's dynamic activation scale divides the tensor absmax by FP4_MAX * E4M3_MAX.
-GLOBAL_SCALE_DIVISOR = FP4_MAX * E4M3_MAX  # 2688
+from ..layout import BLOCK, E4M3_MAX, FP4_MAX, GLOBAL_SCALE_DIVISOR, packed_shapes, roundup, swizzled_scale_offset
+
+__all__ = ["GLOBAL_SCALE_DIVISOR", "dynamic_global_scale", "e2m1_codes", "gemm_alpha", "pack_nibbles", "packed_shapes",
+           "quantize_blocks", "quantize_nvfp4", "rcp_sensitive_blocks", "roundup", "swizzled_scale_offset",
+           "unswizzle_scales"]
+
 FLT_MAX = 3.4028234663852886e38
 _FLT_MIN_NORMAL = 2.0**-126
-BLOCK = 16
-
-
-def roundup(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
-
-
-def packed_shapes(rows: int, cols: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(qdata shape, block-scale shape) for an [rows, cols] input, as comfy-kitchen allocates them."""
-    rows16 = roundup(rows, BLOCK)
-    return (rows16, cols // 2), (roundup(rows16, 128), roundup(cols // BLOCK, 4))
-
-
-def swizzled_scale_offset(row, col, padded_scale_cols: int):
-    """Byte offset of block scale (row, col) in the 128x4 tiled layout (works on ints and tensors).
-
-    Must match ``swizzled_scale_offset`` in kernels/nvfp4_common.cuh and cuBLAS's 1x16 block-scale layout.
-    """
-    return (
-        ((row // 128) * (padded_scale_cols // 4) + col // 4) * 512
-        + (row % 32) * 16
-        + ((row % 128) // 32) * 4
-        + col % 4
-    )
 
 
 # --- fp32 building blocks with the GPU's flush-to-zero semantics ------------------------------------

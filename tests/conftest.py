@@ -1,10 +1,14 @@
-"""Test setup: import this repository as the package ``h3_fused_nvfp4``.
+"""Test setup: import this repository as the package ``h3_fused_nvfp4``, find the real ComfyUI the tests run.
 
 ComfyUI imports a custom node folder under whatever name the folder has; the tests pin one name so that the
-package's relative imports resolve the same way without a ComfyUI around.
+package's relative imports resolve the same way outside ComfyUI. Which ComfyUI the tests use (integration/
+comfy_env.py: ``COMFYUI_PATH``, the ComfyUI this folder is installed in, ``../shared/comfyui``) is printed in
+pytest's header.
 """
 
 import importlib.util
+import logging
+import os
 import pathlib
 import sys
 
@@ -12,6 +16,8 @@ import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE_NAME = "h3_fused_nvfp4"
+# Tests share one kernel cache per run, away from the user's (a planted-fault build must never reach it).
+os.environ.setdefault("H3_FUSED_NVFP4_CACHE", str(REPO_ROOT / "build" / "kernel-cache"))
 
 
 def _import_repo_as_package():
@@ -37,15 +43,23 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-requires_cuda = pytest.mark.skipif(
-    not cuda_available(), reason="needs a CUDA GPU (CPU-only machines skip the GPU tests)"
-)
+requires_cuda = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU (CPU-only machines skip the GPU tests)")
+
+from comfy_harness import clean_models, comfyui, comfyui_reason, force_nvfp4_compute  # noqa: E402,F401
 
 
-# Headless CPU ComfyUI fixtures (comfyui, comfy_loader, comfy_runner, tiny_model); importing comfy_harness is cheap,
-# ComfyUI itself is imported only when a test asks for one of these fixtures.
-from comfy_harness import comfy_loader, comfy_runner, comfyui, tiny_model  # noqa: E402,F401
+def pytest_report_header(config):
+    from h3_fused_nvfp4.integration import comfy_env
+
+    try:
+        location = comfy_env.find_comfyui()
+    except RuntimeError as exc:
+        return [f"real ComfyUI: {exc}"]
+    reason = comfyui_reason()
+    where = f"{location.root} ({location.how})" if location else "none found"
+    return [f"real ComfyUI: {where}" + (f"; not usable: {reason}" if reason else "")]
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: runs pip and copies the pack (seconds; may use the network). Runs by default and in CI; deselect with -m 'not slow'")
+    config.addinivalue_line("markers", "slow: seconds of pip and file copying; runs by default and in CI")
+    logging.getLogger("comfy_kitchen.tensor.nvfp4").setLevel(logging.ERROR)

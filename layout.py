@@ -1,0 +1,85 @@
+"""NVFP4 layouts and the types shared by the CUDA kernels (kernels/), their Python twin (reference/) and the
+integration. A leaf module: it imports nothing of this package.
+
+Layouts (must match kernels/nvfp4_common.cuh, comfy-kitchen's quantize_nvfp4 and cuBLASLt's NVFP4 operands):
+
+* qdata ``uint8 [roundup(M, 16), K/2]``, element ``2j`` of a row in the HIGH nibble of byte ``j``;
+* block scales ``float8_e4m3fn [roundup(roundup(M, 16), 128), roundup(K/16, 4)]`` in cuBLAS's 128x4 tiled layout
+  (:func:`swizzled_scale_offset`), every byte no block writes 0;
+* ComfyUI's dynamic activation scale ``g = bf16(amax|x| / 2688)``, 2688 = 6 (E2M1 max) x 448 (E4M3 max).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP4_MAX = 6.0
+E4M3_MAX = 448.0
+GLOBAL_SCALE_DIVISOR = FP4_MAX * E4M3_MAX  # 2688
+BLOCK = 16  # elements per NVFP4 block (one e4m3 scale each)
+
+
+def roundup(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def packed_shapes(rows: int, cols: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(qdata shape, block-scale shape) of an ``[rows, cols]`` activation, as comfy-kitchen allocates them."""
+    rows16 = roundup(rows, BLOCK)
+    return (rows16, cols // 2), (roundup(rows16, 128), roundup(cols // BLOCK, 4))
+
+
+def swizzled_scale_offset(row, col, padded_scale_cols: int):
+    """Byte offset of block scale (row, col) in the 128x4 tiled layout (ints or tensors).
+
+    Must match ``swizzled_scale_offset`` in kernels/nvfp4_common.cuh (tests/test_kernel_build.py checks both)."""
+    return (((row // 128) * (padded_scale_cols // 4) + col // 4) * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4
+            + col % 4)
+
+
+def packed_buffer_layout(rows: int, k: int) -> tuple[int, int, int, int, int]:
+    """(qdata bytes, scale offset, scale bytes, scalars offset, total bytes) of the one uint8 buffer a pack writes:
+    qdata | block scales (256-byte aligned) | fp32 global scale, fp32 GEMM alpha (16-byte aligned)."""
+    (rows16, half), (srows, scols) = packed_shapes(rows, k)
+    q_bytes = rows16 * half
+    s_off = roundup(q_bytes, 256)
+    s_bytes = srows * scols
+    g_off = roundup(s_off + s_bytes, 16)
+    return q_bytes, s_off, s_bytes, g_off, g_off + 8
+
+
+@dataclass(frozen=True)
+class Modulation:
+    """adaLN modulation applied on the fly: ``h = bf16(bf16(x * bf16(1 + scale[m])) + shift[m])`` (ComfyUI's
+    ``h.mul_(1 + scale).add_(shift)``).
+
+    ``scale``/``shift``: bf16 ``[rows, K]`` tables (free row stride, unit column stride); ``mod_index``: int32
+    ``[M]`` on the activation's device, the table row of every token.
+    """
+
+    scale: torch.Tensor
+    shift: torch.Tensor
+    mod_index: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RmsNorm:
+    """An RMSNorm folded into the kernels: ``n = bf16(weight * (rstd[r] * x))``, torch's CUDA ``rms_norm``
+    arithmetic (kernels/nvfp4_pack.cu). ``weight``: bf16 ``[K]``; ``eps``: the module's eps; ``rstd``: fp32 ``[M]``
+    written by a norm-statistics kernel earlier on the stream and read by the pack."""
+
+    weight: torch.Tensor
+    eps: float
+    rstd: torch.Tensor
+
+
+@dataclass
+class PackedActivation:
+    qdata: torch.Tensor         # uint8 [rows16, K/2]
+    block_scales: torch.Tensor  # float8_e4m3fn [rows128, roundup(K/16, 4)], swizzled
+    global_scale: torch.Tensor  # fp32 [1]
+    alpha: torch.Tensor | None  # fp32 [1]: global_scale * weight_scale_2, the GEMM's device alpha
+    rows: int
+    cols: int
