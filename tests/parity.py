@@ -1,0 +1,95 @@
+"""Shared helpers of the parity tests: byte comparison, fresh seeds, poisoned outputs, ComfyUI's own packer."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+POISON = 0xA5
+
+
+def fresh_seed() -> int:
+    seed = torch.seed() % (2**31)
+    torch.manual_seed(seed)
+    return seed
+
+
+def differing(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Number of differing elements, compared as bit patterns (NaN == NaN of the same bits, -0.0 != 0.0)."""
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return int((a.contiguous().view(view) != b.contiguous().view(view)).sum())
+
+
+def assert_bit_identical(a: torch.Tensor, b: torch.Tensor, label: str = "") -> None:
+    n = differing(a, b)
+    if n:
+        diff = (a.float() - b.float()).abs()
+        raise AssertionError(f"{label}: {n} of {a.numel()} elements differ (max |diff| {diff.nan_to_num(0).max()})")
+
+
+def random_activation(rows: int, cols: int, device="cuda") -> torch.Tensor:
+    """Per-row magnitudes over many binades, so block scales cover the e4m3 range."""
+    mag = torch.exp2(torch.randint(-12, 8, (rows, 1), device=device).float())
+    return (torch.randn(rows, cols, device=device) * mag).to(torch.bfloat16)
+
+
+def comfy_pack(h: torch.Tensor, scale: torch.Tensor | None = None):
+    """ComfyUI's own activation quantization: ``QuantizedTensor.from_float(h, "TensorCoreNVFP4Layout")``."""
+    from comfy.quant_ops import QuantizedTensor
+
+    qt = QuantizedTensor.from_float(h.contiguous(), "TensorCoreNVFP4Layout",
+                                    scale=None if scale is None else scale.reshape(()))
+    return qt._qdata, qt._params.block_scale, qt._params.scale
+
+
+def fused_pack(x: torch.Tensor, **kwargs):
+    """ops.pack_nvfp4 into a poisoned buffer (every byte the kernel leaves unwritten shows as a difference)."""
+    from h3_fused_nvfp4.kernels import ops
+
+    k = x.shape[1] // 2 if kwargs.get("swiglu") else x.shape[1]
+    out = torch.full((ops.packed_buffer_bytes(x.shape[0], k),), POISON, dtype=torch.uint8, device=x.device)
+    return ops.pack_nvfp4(x, out=out, **kwargs)
+
+
+def assert_same_pack(fused, q, s, g, label: str) -> None:
+    assert fused.qdata.shape == q.shape and fused.block_scales.shape == s.shape, label
+    dq = differing(fused.qdata, q)
+    ds = differing(fused.block_scales.view(torch.uint8), s.view(torch.uint8))
+    dg = differing(fused.global_scale.reshape(1), g.reshape(1).to(torch.float32))
+    assert (dq, ds, dg) == (0, 0, 0), (f"{label}: {dq} qdata bytes and {ds} block-scale bytes differ; global scale "
+                                       f"{fused.global_scale.reshape(-1).tolist()} vs {g.reshape(-1).tolist()}")
+
+
+def segments_and_index(rows: int, table_rows: int, device="cuda", per_token: bool = True):
+    """ComfyUI-style ``mod_segments`` (integer rows, and a per-token LongTensor run) and the int32 index."""
+    cuts = sorted(set([0, rows] + torch.randint(1, rows, (3,)).tolist()))
+    segments = [(a, b, i % table_rows) for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
+    if per_token:
+        a, b, _ = segments[-1]
+        segments[-1] = (a, b, torch.randint(0, table_rows, (b - a,), device=device))
+    index = torch.empty(rows, dtype=torch.int32)
+    for a, b, r in segments:
+        index[a:b] = r.cpu().to(torch.int32) if isinstance(r, torch.Tensor) else r
+    return segments, index.to(device)
+
+
+@contextlib.contextmanager
+def selfcheck_mode(value: str):
+    """Run with H3_FUSED_NVFP4_SELFCHECK=value and fresh in-memory verdicts."""
+    import os
+
+    from h3_fused_nvfp4.integration import selfcheck
+
+    old = os.environ.get(selfcheck.SELFCHECK_ENV)
+    os.environ[selfcheck.SELFCHECK_ENV] = value
+    selfcheck.forget_verdicts()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(selfcheck.SELFCHECK_ENV, None)
+        else:
+            os.environ[selfcheck.SELFCHECK_ENV] = old
+        selfcheck.forget_verdicts()

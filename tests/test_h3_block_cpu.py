@@ -1,0 +1,172 @@
+"""ComfyUI's real MiniMax H3 ``DiTBlock`` (comfy/ldm/minimax/model.py with ``comfy.ops.mixed_precision_ops``,
+NVFP4 weights from ComfyUI's own ``QuantizedTensor.from_float``) against the fused block, on the CPU.
+
+Off the GPU the fused path runs reference/fused_ops.py, the Python twin of the kernels: these tests prove that the
+fused block's wiring (normalized and modulated sources, the residual's statistics for the next projection, the
+hand-over between blocks, the fallbacks) computes ComfyUI's block bit for bit, in every H3 variant. They run
+with the block self-check switched off, so a change of ComfyUI's block (say, shift applied before scale) makes
+them fail instead of being caught and routed around at run time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from h3_fused_nvfp4.integration import patch, synthetic as syn
+from parity import assert_bit_identical, fresh_seed
+
+pytestmark = pytest.mark.usefixtures("comfyui")
+
+# 19 text rows in tag runs + 46 audio + 245 video = 310 rows: not a multiple of 16 or 128.
+TOKENS = (19, 46, 245)
+
+
+@contextlib.contextmanager
+def fused(blocks, scope="block", block_check=False):
+    """Patch ``blocks`` the way ComfyUI does (a ModelPatcher's object patches, applied and removed)."""
+    holder = syn.BlockHolder(blocks)
+    patches, report = patch.build_patches(holder, scope)
+    assert report.applied, report.reason
+    states = {p.state for p in patches.values() if hasattr(p, "state")}
+    for state in states:
+        state.block_check = "pending" if block_check else "passed"
+    patcher = syn.model_patcher_for(holder, "cpu")
+    for key, value in patches.items():
+        patcher.add_object_patch(f"diffusion_model.{key}", value)
+    patcher.patch_model(load_weights=False)
+    try:
+        yield patches
+    finally:
+        patcher.unpatch_model()
+
+
+def run_blocks(blocks, inputs, transformer_options=None):
+    x, t_emb, segments, rope = inputs
+    h = x.clone()
+    with torch.inference_mode():
+        for i, block in enumerate(blocks):
+            options = dict(transformer_options or {}, block_index=i)
+            h = block(h, t_emb, segments, rope, transformer_options=options)
+    return h
+
+
+def linears(patches, prefix="blocks."):
+    return [v for v in patches.values() if type(v).__name__ == "FusedNVFP4Linear" and v.name.startswith(prefix)]
+
+
+VARIANTS = {
+    "dynamic": dict(),
+    "static-mix": dict(static_layers=("attn.out_proj", "mlp.fc1")),
+    "all-static": dict(static_layers=syn.QUANTIZED_LINEARS),
+    "curve-form": dict(curve=True),
+    "gate-compress": dict(gate_compress=True),
+}
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["segment-rows", "per-token-rows"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fused_blocks_match_comfyui(variant, per_token):
+    """Three consecutive real blocks (the hand-over of norm statistics from block to block included)."""
+    seed = fresh_seed()
+    options = VARIANTS[variant]
+    blocks = [syn.make_dit_block(seed=seed + i, **options) for i in range(3)]
+    inputs = syn.make_block_inputs(tokens=TOKENS, seed=seed + 9, per_token_video=per_token,
+                                   curve=options.get("curve", False))
+    stock = run_blocks(blocks, inputs)
+    with fused(blocks) as patches:
+        result = run_blocks(blocks, inputs)
+    assert_bit_identical(result, stock, f"{variant}, per-token rows {per_token}, seed {seed}")
+    used = linears(patches)
+    assert used and all(v.calls_fused == 1 and v.calls_stock == 0 for v in used), [
+        (v.name, v.calls_fused, v.calls_stock) for v in used]
+
+
+@pytest.mark.parametrize("scope", patch.SCOPES)
+def test_both_scopes_match(scope):
+    seed = fresh_seed()
+    blocks = [syn.make_dit_block(seed=seed + i, static_layers=("mlp.fc2",)) for i in range(2)]
+    inputs = syn.make_block_inputs(tokens=TOKENS, seed=seed + 5)
+    stock = run_blocks(blocks, inputs)
+    with fused(blocks, scope):
+        assert_bit_identical(run_blocks(blocks, inputs), stock, f"scope {scope}, seed {seed}")
+
+
+def _halving_override(func, *args, **kwargs):
+    """Another node's optimized_attention_override; the fused block must give it exactly the stock call."""
+    return func(*args, **kwargs) * 0.5
+
+
+def test_attention_override_of_another_node():
+    seed = fresh_seed()
+    blocks = [syn.make_dit_block(seed=seed + i) for i in range(2)]
+    inputs = syn.make_block_inputs(tokens=TOKENS, seed=seed + 3)
+    options = {"optimized_attention_override": _halving_override}
+    stock = run_blocks(blocks, inputs, options)
+    with fused(blocks) as patches:
+        assert_bit_identical(run_blocks(blocks, inputs, options), stock, f"override, seed {seed}")
+    assert all(v.calls_fused == 1 for v in linears(patches))
+
+
+def test_attention_argument_of_a_block_patch():
+    """A block-replace patch passing its own ``attention`` (ComfyUI's sparse-attention node does): the block
+    materializes the modulated input for it, the rest stays fused."""
+    seed = fresh_seed()
+    blocks = [syn.make_dit_block(seed=seed + i) for i in range(2)]
+    inputs = syn.make_block_inputs(tokens=TOKENS, seed=seed + 4)
+    x, t_emb, segments, rope = inputs
+    calls = []
+
+    def attention_of(block):
+        def attention(h, rope_freqs=None, transformer_options={}):
+            calls.append(h.shape)
+            return type(block.attn).forward(block.attn, h, rope_freqs=rope_freqs,
+                                            transformer_options=transformer_options)
+        return attention
+
+    def run():
+        h = x.clone()
+        with torch.inference_mode():
+            for i, block in enumerate(blocks):
+                h = block(h, t_emb, segments, rope, transformer_options={"block_index": i},
+                          attention=attention_of(block))
+        return h
+
+    stock = run()
+    with fused(blocks) as patches:
+        result = run()
+    assert_bit_identical(result, stock, f"attention argument, seed {seed}")
+    assert len(calls) == 4
+    assert all(v.calls_fused == 1 for v in linears(patches) if "qkv_proj" not in v.name)
+
+
+def test_weight_function_on_one_layer_falls_back_exactly():
+    """A LoRA-style weight function makes that layer take ComfyUI's path; the block stays bit-identical."""
+    seed = fresh_seed()
+    blocks = [syn.make_dit_block(seed=seed)]
+    inputs = syn.make_block_inputs(tokens=TOKENS, seed=seed + 1)
+    blocks[0].attn.qkv_proj.weight_function = [lambda w: w]
+    stock = run_blocks(blocks, inputs)
+    with fused(blocks) as patches:
+        result = run_blocks(blocks, inputs)
+    assert_bit_identical(result, stock, f"weight function, seed {seed}")
+    qkv = patches["blocks.0.attn.qkv_proj.forward"]
+    assert qkv.calls_fused == 0 and qkv.calls_stock == 1
+    assert all(v.calls_fused == 1 for v in linears(patches) if v is not qkv)
+
+
+def test_block_check_passes_and_returns_the_stock_result():
+    """The first patched call runs both arms on its input, records the verdict and returns the stock result."""
+    seed = fresh_seed()
+    blocks = [syn.make_dit_block(seed=seed + i) for i in range(2)]
+    inputs = syn.make_block_inputs(tokens=TOKENS, seed=seed + 2)
+    stock = run_blocks(blocks, inputs)
+    with fused(blocks, block_check=True) as patches:
+        first = run_blocks(blocks, inputs)
+        state = patches["blocks.0.forward"].state
+        assert state.block_check == "passed", state.block_check_detail
+        second = run_blocks(blocks, inputs)
+    assert_bit_identical(first, stock, "the checking call")
+    assert_bit_identical(second, stock, "after the check")
