@@ -245,17 +245,18 @@ class FusedSwigluMLP:
         self.fc2 = fc2
         self.stock_forward = type(mlp).forward.__get__(mlp)
 
-    def stock_fc2(self, y):
-        """fc2 of SwiGLU(y) exactly as ComfyUI's MLP.forward runs it."""
+    @staticmethod
+    def stock_swiglu(y):
+        """fc2's input, SwiGLU of fc1's output, computed by ComfyUI's own eager activation."""
         try:
             import comfy.ops
 
-            if hasattr(comfy.ops, "linear_input_act"):
-                return comfy.ops.linear_input_act(self.mlp.fc2, y, "swiglu")
+            if hasattr(comfy.ops, "_eager_input_act"):
+                return comfy.ops._eager_input_act(y, "swiglu")
         except ImportError:
             pass
         gate, up = y.chunk(2, dim=-1)
-        return self.mlp.fc2(torch.nn.functional.silu(gate).mul_(up))
+        return torch.nn.functional.silu(gate).mul_(up)
 
     def __call__(self, x: torch.Tensor, *, fc1_source: LinearSource | None = None):
         if self.fc1 is not None:
@@ -263,8 +264,8 @@ class FusedSwigluMLP:
         else:
             y = self.mlp.fc1(fc1_source.stock() if fc1_source is not None else x)
         if self.fc2 is None:
-            return self.stock_fc2(y)
-        return self.fc2(y, swiglu=True, stock=lambda: self.stock_fc2(y))
+            return self.mlp.fc2(self.stock_swiglu(y))
+        return self.fc2(y, swiglu=True, stock=lambda: self.stock_swiglu(y))
 
 
 class ModelState:
@@ -565,5 +566,6 @@ class FusedDiTBlock:
             verdict = selfcheck.BlockVerdict(False, f"the block self-check could not run: {type(exc).__name__}: {exc}")
         selfcheck.record_block_verdict(self.state, x.device, verdict)
         self._drop_handoff()
-        return self.stock_forward(x, t_emb, mod_segments, rope_freqs, transformer_options=transformer_options,
-                                  attention=attention)
+        with self.unpatched():
+            return self.stock_forward(x, t_emb, mod_segments, rope_freqs, transformer_options=transformer_options,
+                                      attention=attention)

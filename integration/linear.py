@@ -118,8 +118,10 @@ def backend_for(x: torch.Tensor):
     return reference_ops
 
 
-def nvfp4_gemm(packed: PackedActivation, weight, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """GEMM of a packed activation with an NVFP4 QuantizedTensor weight, sliced to [M, N] like the stock path."""
+def nvfp4_gemm(packed: PackedActivation, weight, bias: torch.Tensor | None, out_features: int,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """GEMM of a packed activation with an NVFP4 QuantizedTensor weight, sliced to [M, N] like the stock path
+    (whose output dtype is the activation's)."""
     import comfy_kitchen as ck
 
     params = weight._params
@@ -128,13 +130,13 @@ def nvfp4_gemm(packed: PackedActivation, weight, bias: torch.Tensor | None, out_
             out = ck.scaled_mm_nvfp4(
                 packed.qdata, weight._qdata, tensor_scale_a=packed.global_scale, tensor_scale_b=params.scale,
                 block_scale_a=packed.block_scales, block_scale_b=params.block_scale, bias=bias,
-                out_dtype=params.orig_dtype, alpha=packed.alpha,
+                out_dtype=out_dtype, alpha=packed.alpha,
             )
             return out[: packed.rows, :out_features]
         except (RuntimeError, TypeError) as exc:  # comfy-kitchen's dispatch falls back the same way
             note_fallback("NVFP4 GEMM", f"cuBLASLt failed ({exc}); dequantizing like comfy-kitchen does",
                           logging.WARNING)
-    activation = ck.dequantize_nvfp4(packed.qdata, packed.global_scale, packed.block_scales, params.orig_dtype)
+    activation = ck.dequantize_nvfp4(packed.qdata, packed.global_scale, packed.block_scales, out_dtype)
     activation = activation[: packed.rows, : packed.cols]
     return torch.nn.functional.linear(activation, weight.dequantize(), bias)
 
@@ -165,8 +167,8 @@ class FusedNVFP4Linear:
         layer = self.layer
         if torch.compiler.is_compiling():
             return "inside torch.compile (stock path is traced instead)"
-        if x.dtype != torch.bfloat16 or getattr(layer.weight, "dtype", None) != torch.bfloat16:
-            return f"activation {x.dtype} / weight compute dtype {getattr(layer.weight, 'dtype', None)} is not bfloat16"
+        if x.dtype != torch.bfloat16:
+            return f"the activation is {x.dtype}, not bfloat16"
         if x.requires_grad and torch.is_grad_enabled():
             return "autograd is recording (training path)"
         if getattr(layer, "_full_precision_mm", False):
@@ -222,8 +224,11 @@ class FusedNVFP4Linear:
         out_shape = (*x.shape[:-1], self.layer.out_features)
         out = None
         with layer_weights(self.layer, x2) as (weight, bias):
+            # ComfyUI's cast sets the weight's compute dtype (the stored QuantizedTensor may carry none)
             if not is_nvfp4_weight(weight):
                 reason = "ComfyUI's weight cast returned a non-NVFP4 weight"  # handled after the cast is undone
+            elif weight.dtype != x.dtype:
+                reason = f"the weight computes in {weight.dtype}, the activation is {x.dtype}"
             else:
                 static, static_alpha = self.static_scale(x.device)
                 reduced = source.global_scale if (source is not None and static is None) else None
@@ -236,7 +241,7 @@ class FusedNVFP4Linear:
                         )
                         if static is not None:
                             packed.alpha = static_alpha
-                        out = nvfp4_gemm(packed, weight, bias, self.layer.out_features)
+                        out = nvfp4_gemm(packed, weight, bias, self.layer.out_features, x.dtype)
                 except runtime.KernelBuildError as exc:  # a failed launch: nothing was written to the output
                     reason = f"kernel launch failed: {exc}"
         if out is None:

@@ -190,16 +190,18 @@ def run_prompt(prompt: dict, outputs: Iterable[str] | None = None) -> PromptRun:
     for nid in targets:
         ok, reasons, _ = asyncio.run(handles.execution.validate_inputs("validate", prompt, nid, validated))
         if ok is not True:
-            raise AssertionError(f"prompt failed validation for {nid}: {reasons}")
+            bad = {k: v[1] for k, v in validated.items() if v[0] is not True and v[1]}
+            raise AssertionError(f"prompt failed validation for {nid}: {reasons or bad}")
     executor = handles.execution.PromptExecutor(FakeServer(), cache_type=handles.execution.CacheType.CLASSIC,
-                                                cache_args={"lru": 0, "ram": 0})
+                                                cache_args={"lru": 0, "ram": 0, "ram_inactive": 0})
     executor.execute(prompt, str(uuid.uuid4()), {}, targets)
     status, error = "success", None
     for event, data in executor.status_messages:
         if event in ("execution_error", "execution_interrupted"):
             status, error = event.split("_")[1], data
-    outputs_by_node = {nid: executor.caches.outputs.get(nid).outputs for nid in prompt
-                       if executor.caches.outputs.get(nid) is not None}
+    cache = executor.caches.outputs
+    entries = {nid: cache.get_local(nid) if hasattr(cache, "get_local") else cache.get(nid) for nid in prompt}
+    outputs_by_node = {nid: e.outputs for nid, e in entries.items() if e is not None}
     return PromptRun(bool(executor.success) and status == "success", status,
                      dict(executor.history_result.get("outputs", {})), outputs_by_node, error)
 
@@ -304,9 +306,14 @@ def clean_models(comfyui):
 
 @pytest.fixture
 def force_nvfp4_compute(comfyui, monkeypatch):
-    """ComfyUI runs NVFP4 activations only with an FP4 GEMM (compute capability >= 10); the tests force the
-    quantized path on so that ComfyUI's own packer runs (its GEMM then dequantizes, in both arms)."""
+    """Load models as ComfyUI does on a Blackwell GPU: NVFP4 activations on (ComfyUI allows them only with an FP4
+    GEMM, compute capability >= 10; without one its GEMM dequantizes, in both arms) and a bf16 diffusion model
+    (``--bf16-unet``; on a CPU ComfyUI would pick fp32)."""
+    from comfy.cli_args import args
+
     monkeypatch.setattr(comfyui.model_management, "supports_nvfp4_compute", lambda *a, **k: True)
+    monkeypatch.setattr(args, "bf16_unet", True)
+    monkeypatch.setattr(comfyui.model_management, "should_use_bf16", lambda *a, **k: True)  # bf16 compute
 
 
 def timed(fn):

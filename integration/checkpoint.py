@@ -1,0 +1,548 @@
+"""Write MiniMax H3 diffusion checkpoints for ComfyUI: conversion to NVFP4 and calibrated static input scales.
+
+* :func:`convert_to_nvfp4` - a bf16 / fp16 / fp32 or fp8_scaled H3 checkpoint -> ComfyUI NVFP4: the selected
+  Linears (default: the four projections of every ``blocks.N``) quantized by ComfyUI's own
+  ``QuantizedTensor.from_float(w_bf16, "TensorCoreNVFP4Layout")``, every other tensor copied byte for byte;
+* :func:`save_with_input_scales` - an H3 checkpoint unchanged plus an fp32 ``{layer}.input_scale`` (the static
+  activation scale ComfyUI's NVFP4 Linear quantizes its input with) for chosen NVFP4 layers;
+* :func:`inspect_checkpoint` / :func:`select_layers` - what the file holds, read from its header and tags only;
+* :func:`write_safetensors` - the streaming writer both use.
+
+Memory and safety: the source is read one tensor at a time (``safetensors.safe_open``), the destination is written
+tensor by tensor after a header planned from names, dtypes and shapes, into a temporary file beside it that is
+fsynced and renamed over the destination only once complete. Any failure (a refusal, an exception, a full disk,
+an interrupt) removes the temporary file: no partial checkpoint is ever left where ComfyUI would list it.
+
+How ComfyUI reads the layers, which this module follows by calling ComfyUI rather than re-implementing it:
+
+* a Linear's format is its ``{layer}.comfy_quant`` JSON tag, overridden by the ``_quantization_metadata`` entry of
+  the file's metadata, or (older fp8 files) every layer with a ``.scale_weight`` is ``float8_e4m3fn`` when the file
+  has a ``scaled_fp8`` marker key (``comfy.utils.convert_old_quants``); untagged weights are unquantized;
+* ``comfy.sd.load_diffusion_model`` strips the prefix ``comfy.model_detection.unet_prefix_from_state_dict`` names
+  (e.g. ``model.diffusion_model.``) and detects H3 by ``video_patch_proj.weight`` + ``audio_patch_proj.weight``;
+* an fp8_scaled weight is ``QuantizedTensor(weight_fp8, layout, Params(scale=weight_scale, ...)).dequantize()``
+  (``comfy.ops._load_quantized_module``), i.e. comfy-kitchen's ``fp8 -> dtype, * weight_scale``. The converter asks
+  it for fp32 and rounds that to bf16 once: the bf16 weight of a GPU ComfyUI (its kernel multiplies in fp32 and
+  rounds once), and of a CPU ComfyUI (which runs H3 in fp32), on any conversion device. Asking comfy-kitchen's
+  CPU backend for bf16 directly would round the scale to bf16 first and give a different weight.
+
+ComfyUI must be importable: inside ComfyUI it is; standalone call ``comfy_env.import_comfyui()`` first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import struct
+import time
+from typing import Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from ..layout import BLOCK, roundup
+from . import synthetic
+
+Progress = Callable[[int, int, str], None]
+
+NVFP4_FORMAT = "nvfp4"
+NVFP4_LAYOUT = synthetic.NVFP4_LAYOUT
+FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")  # fp8_scaled: fp8 weight, per-tensor fp32 weight_scale
+LEGACY_FP8_MARKER = "scaled_fp8"
+QUANT_METADATA_KEY = "_quantization_metadata"
+DEFAULT_LAYERS = r"blocks\.\d+\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)"
+# A converted Linear's old storage; its bias is copied as it is.
+_REPLACED_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "comfy_quant", "scale_weight",
+                      "scale_input")
+_PLAIN_WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2")  # ComfyUI casts these to compute dtype
+
+_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "C64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+             "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+_DTYPE_NAMES = {torch.float64: "F64", torch.int64: "I64", torch.uint64: "U64", torch.complex64: "C64",
+                torch.float32: "F32", torch.int32: "I32", torch.uint32: "U32", torch.float16: "F16",
+                torch.bfloat16: "BF16", torch.int16: "I16", torch.uint16: "U16", torch.int8: "I8", torch.uint8: "U8",
+                torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+                torch.float8_e8m0fnu: "F8_E8M0"}
+
+
+class CheckpointRefused(ValueError):
+    """The request cannot be carried out as asked; nothing was written."""
+
+
+# ---- streaming safetensors writer --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PlannedTensor:
+    """One tensor of a file to write: its header entry, and how to make its data when its turn comes."""
+    name: str
+    dtype: str  # safetensors dtype name: "BF16", "F8_E4M3", ...
+    shape: tuple[int, ...]
+    make: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
+
+
+def _write_bytes(handle, data) -> None:
+    """Every byte of a written file goes through here."""
+    handle.write(data)
+
+
+def _tensor_bytes(tensor: torch.Tensor, planned: PlannedTensor) -> memoryview:
+    made = (_DTYPE_NAMES.get(tensor.dtype), tuple(tensor.shape))
+    if made != (planned.dtype, planned.shape):
+        raise RuntimeError(f"{planned.name}: made {made[0]} {list(made[1])}, the header says "
+                           f"{planned.dtype} {list(planned.shape)}")
+    return memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _header_bytes(tensors: Sequence[PlannedTensor], metadata: Mapping[str, str]) -> bytes:
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for t in tensors:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors' own writer keeps it
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _check_metadata(metadata: Mapping[str, str]) -> None:
+    bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
+    if bad:
+        raise CheckpointRefused(f"safetensors metadata maps str to str; not so for {bad[:3]}")
+
+
+def _check_destination(dest: str, overwrite: bool) -> str:
+    folder = os.path.dirname(dest)
+    if not os.path.isdir(folder):
+        raise CheckpointRefused(f"destination folder {folder} does not exist")
+    if not dest.lower().endswith((".safetensors", ".sft")):
+        raise CheckpointRefused(f"{dest}: ComfyUI reads a checkpoint as safetensors only when its name ends with "
+                                ".safetensors or .sft")
+    if os.path.exists(dest) and not overwrite:
+        raise CheckpointRefused(f"{dest} already exists (pass overwrite=True / --overwrite to replace it)")
+    return folder
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_folder(folder: str) -> None:
+    """Makes the rename itself durable (POSIX; Windows cannot open a folder)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_safetensors(dest_path, tensors: Sequence[PlannedTensor], metadata: Mapping[str, str] | None = None, *,
+                      progress: Progress | None = None, overwrite: bool = False) -> int:
+    """Write ``tensors`` in this order as a safetensors file at ``dest_path`` atomically; returns its size.
+
+    Each tensor's ``make()`` is called when its turn comes, so only one tensor's data is held at a time. Refuses
+    (:class:`CheckpointRefused`) an existing destination unless ``overwrite``, and a folder without room for the
+    whole file. ``progress(done_bytes, total_bytes, name)`` is called after each tensor."""
+    dest = os.path.abspath(os.fspath(dest_path))
+    metadata = dict(metadata or {})
+    _check_metadata(metadata)
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        raise CheckpointRefused("two tensors of the planned file have the same name")
+    folder = _check_destination(dest, overwrite)
+    header = _header_bytes(tensors, metadata)
+    data_bytes = sum(t.nbytes for t in tensors)
+    file_bytes = len(header) + data_bytes
+    free = shutil.disk_usage(folder).free
+    if free < file_bytes:  # an overwritten file's space only comes back after the rename
+        raise CheckpointRefused(f"not enough free disk space in {folder}: the checkpoint needs "
+                                f"{file_bytes / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free")
+    # Hidden and not named *.safetensors, so ComfyUI never lists a file being written; O_EXCL and the umask-
+    # honouring mode of a normal file (mkstemp would make it readable by its owner only).
+    tmp = os.path.join(folder, f".{os.path.basename(dest)}.{secrets.token_hex(4)}.partial")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            _write_bytes(handle, header)
+            done = 0
+            for planned in tensors:
+                _write_bytes(handle, _tensor_bytes(planned.make(), planned))
+                done += planned.nbytes
+                if progress is not None:
+                    progress(done, data_bytes, planned.name)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if os.path.exists(dest) and not overwrite:  # appeared while we wrote
+            raise CheckpointRefused(f"{dest} already exists (pass overwrite=True / --overwrite to replace it)")
+        os.replace(tmp, dest)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    _fsync_folder(folder)
+    return file_bytes
+
+
+def _file_order(single: Iterable[PlannedTensor], groups: Sequence[Sequence[PlannedTensor]]) -> list[PlannedTensor]:
+    """8- and 4-byte tensors, then the groups, then 2- and 1-byte tensors, by name within each.
+
+    Every tensor then starts at a multiple of its element size, as safetensors' own writer keeps them (ComfyUI's
+    mmap loader views the bytes in place); a group (one converted layer: fp32 scalars, then bytes, a multiple of
+    4 in all) is written in one piece, so one layer's quantization is held at a time."""
+    by_size = sorted(single, key=lambda t: (-_ITEMSIZE[t.dtype], t.name))
+    wide = [t for t in by_size if _ITEMSIZE[t.dtype] >= 4]
+    narrow = [t for t in by_size if _ITEMSIZE[t.dtype] < 4]
+    return wide + [t for group in groups for t in group] + narrow
+
+
+# ---- what a checkpoint holds -------------------------------------------------------------------------------
+
+def _natural_key(name: str):
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    path: str
+    prefix: str  # the H3 model's key prefix in the file, as ComfyUI strips it ("" or "model.diffusion_model." ...)
+    tensors: dict[str, tuple[str, tuple[int, ...]]]  # name -> (safetensors dtype, shape)
+    metadata: dict[str, str]
+    layer_formats: dict[str, str | None]  # every Linear of the H3 model (as named in the file) -> format or None
+    legacy_marker: str | None  # the ``scaled_fp8`` marker key ComfyUI honours, if any
+
+    def relative(self, layer: str) -> str:
+        return layer[len(self.prefix):]
+
+    def resolve(self, name: str) -> str | None:
+        """The Linear ``name`` means, given as in the file or relative to the H3 model."""
+        for candidate in (name, self.prefix + name):
+            if candidate in self.layer_formats:
+                return candidate
+        return None
+
+    def describe(self, layer: str) -> str:
+        fmt = self.layer_formats[layer]
+        return fmt if fmt is not None else f"unquantized {self.tensors[layer + '.weight'][0]}"
+
+
+def _open(path: str):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except Exception as exc:  # the library's errors carry no common type
+        raise CheckpointRefused(f"cannot read {path} as a safetensors file: {exc}") from exc
+
+
+def _h3_prefix(path: str, names: Sequence[str]) -> str:
+    import comfy.model_detection
+
+    prefix = comfy.model_detection.unet_prefix_from_state_dict(names)
+    if not any(name.startswith(prefix) for name in names):  # load_diffusion_model then keeps the keys as they are
+        prefix = ""
+    if f"{prefix}video_patch_proj.weight" not in names or f"{prefix}audio_patch_proj.weight" not in names:
+        raise CheckpointRefused(f"{path} is not a MiniMax H3 diffusion model checkpoint: ComfyUI detects H3 by "
+                                f"{prefix}video_patch_proj.weight and {prefix}audio_patch_proj.weight")
+    return prefix
+
+
+def _quant_metadata_layers(path: str, metadata: Mapping[str, str]) -> dict | None:
+    if QUANT_METADATA_KEY not in metadata:
+        return None
+    try:
+        layers = json.loads(metadata[QUANT_METADATA_KEY])["layers"]
+        if not isinstance(layers, dict):
+            raise TypeError("'layers' is not an object")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointRefused(f"{path}: unreadable {QUANT_METADATA_KEY} metadata ({exc})") from exc
+    return layers
+
+
+def _read_tag(handle, key: str, path: str) -> dict:
+    try:
+        conf = json.loads(handle.get_tensor(key).numpy().tobytes())
+        if not isinstance(conf, dict):
+            raise TypeError("not an object")
+    except (ValueError, TypeError) as exc:
+        raise CheckpointRefused(f"{path}: unreadable quantization tag {key} ({exc})") from exc
+    return conf
+
+
+def _inspect(handle, path: str) -> CheckpointInfo:
+    names = list(handle.keys())
+    tensors = {}
+    for name in names:
+        piece = handle.get_slice(name)
+        dtype = piece.get_dtype()
+        if dtype not in _ITEMSIZE:
+            raise CheckpointRefused(f"{path}: tensor {name} has dtype {dtype}, which this writer does not handle")
+        tensors[name] = (dtype, tuple(piece.get_shape()))
+    metadata = dict(handle.metadata() or {})
+    prefix = _h3_prefix(path, names)
+    quant_layers = _quant_metadata_layers(path, metadata)
+    marker = None
+    if quant_layers is None:  # ComfyUI ignores the marker when the metadata describes the layers
+        marker = next((k for k in (LEGACY_FP8_MARKER, prefix + LEGACY_FP8_MARKER) if k in tensors), None)
+    layers = sorted((name[:-len(".weight")] for name, (_, shape) in tensors.items()
+                     if name.startswith(prefix) and name.endswith(".weight") and len(shape) == 2), key=_natural_key)
+    formats: dict[str, str | None] = {}
+    for layer in layers:
+        conf = None
+        if quant_layers is not None:  # ComfyUI applies it both before and after stripping the prefix
+            conf = quant_layers.get(layer, quant_layers.get(layer[len(prefix):]))
+        if conf is None and f"{layer}.comfy_quant" in tensors:
+            conf = _read_tag(handle, f"{layer}.comfy_quant", path)
+        if conf is not None and not isinstance(conf, dict):
+            raise CheckpointRefused(f"{path}: the {QUANT_METADATA_KEY} entry of {layer} is not an object")
+        if conf is None and marker is not None and f"{layer}.scale_weight" in tensors:
+            conf = {"format": "float8_e4m3fn"}
+        formats[layer] = None if conf is None else str(conf.get("format"))
+    return CheckpointInfo(path, prefix, tensors, metadata, formats, marker)
+
+
+def inspect_checkpoint(path) -> CheckpointInfo:
+    """The tensors, metadata and per-Linear formats of an H3 checkpoint (refuses any other file)."""
+    path = os.path.abspath(os.fspath(path))
+    with _open(path) as handle:
+        return _inspect(handle, path)
+
+
+def select_layers(info: CheckpointInfo, layers: str | Iterable[str] = DEFAULT_LAYERS) -> list[str]:
+    """Linears (file names) chosen by a regex over names relative to the model (full match), or by a list of
+    names / suffixes (``"blocks.3.mlp.fc1"``, ``"attn.qkv_proj"``), each of which must match."""
+    if isinstance(layers, str):
+        try:
+            pattern = re.compile(layers)
+        except re.error as exc:
+            raise CheckpointRefused(f"layer pattern {layers!r} is not a regular expression: {exc}") from exc
+        chosen = [layer for layer in info.layer_formats if pattern.fullmatch(info.relative(layer))]
+        if not chosen:
+            raise CheckpointRefused(f"no Linear layer of {info.path} matches {layers!r}")
+        return chosen
+    wanted = list(layers)
+    chosen_set = set()
+    for entry in wanted:
+        matches = [layer for layer in info.layer_formats
+                   if entry in (layer, info.relative(layer)) or info.relative(layer).endswith("." + entry)]
+        if not matches:
+            raise CheckpointRefused(f"{entry!r} is not a Linear layer of {info.path}")
+        chosen_set.update(matches)
+    if not chosen_set:
+        raise CheckpointRefused("no layers given")
+    return [layer for layer in info.layer_formats if layer in chosen_set]
+
+
+def _resolve_input_scales(info: CheckpointInfo, input_scales: Mapping[str, float],
+                          nvfp4_layers: Iterable[str]) -> dict[str, float]:
+    nvfp4_layers = set(nvfp4_layers)
+    resolved: dict[str, float] = {}
+    for name, value in input_scales.items():
+        layer = info.resolve(name)
+        if layer is None:
+            raise CheckpointRefused(f"input scale for {name!r}: no such Linear layer in {info.path}")
+        if layer not in nvfp4_layers:
+            raise CheckpointRefused(f"input scale for {name!r}: the layer is not NVFP4 in the result (it is "
+                                    f"{info.describe(layer)}); a static input scale applies to NVFP4 layers only")
+        scale = float(value)
+        if not (math.isfinite(scale) and scale > 0):
+            raise CheckpointRefused(f"input scale for {name!r} is {value!r}; it must be a positive finite number")
+        if layer in resolved:
+            raise CheckpointRefused(f"input scale for {layer} is given twice")
+        resolved[layer] = scale
+    return resolved
+
+
+def _copied(handle, info: CheckpointInfo, name: str) -> PlannedTensor:
+    dtype, shape = info.tensors[name]
+    return PlannedTensor(name, dtype, shape, lambda: handle.get_tensor(name))
+
+
+def _scalar(name: str, value: float) -> PlannedTensor:
+    return PlannedTensor(name, "F32", (), lambda: torch.tensor(value, dtype=torch.float32))
+
+
+# ---- input scales ------------------------------------------------------------------------------------------
+
+def save_with_input_scales(source_path, dest_path, input_scales: Mapping[str, float],
+                           metadata: Mapping[str, str] | None = None, *, progress: Progress | None = None, overwrite: bool = False) -> dict:
+    """Copy an H3 checkpoint with an fp32 scalar ``{layer}.input_scale`` for each NVFP4 layer of ``input_scales``
+    (layer names as in the file or relative to the model; an existing input scale of the layer is replaced).
+    The file's metadata is kept, ``metadata`` merged into it. Returns a report."""
+    started = time.monotonic()
+    source = os.path.abspath(os.fspath(source_path))
+    dest = os.path.abspath(os.fspath(dest_path))
+    _refuse_same_file(source, dest)
+    metadata = dict(metadata or {})
+    _check_metadata(metadata)
+    if not input_scales:
+        raise CheckpointRefused("no input scales given")
+    with _open(source) as handle:
+        info = _inspect(handle, source)
+        nvfp4 = [layer for layer, fmt in info.layer_formats.items() if fmt == NVFP4_FORMAT]
+        scales = _resolve_input_scales(info, input_scales, nvfp4)
+        replaced = {f"{layer}.input_scale" for layer in scales} & info.tensors.keys()
+        planned = [_copied(handle, info, name) for name in info.tensors if name not in replaced]
+        planned += [_scalar(f"{layer}.input_scale", scale) for layer, scale in scales.items()]
+        size = write_safetensors(dest, _file_order(planned, []), {**info.metadata, **metadata},
+                                 progress=progress, overwrite=overwrite)
+    return {"dest": dest, "input_scales": {info.relative(layer): scale for layer, scale in scales.items()},
+            "replaced": sorted(info.relative(name[:-len(".input_scale")]) for name in replaced),
+            "tensors": len(planned), "bytes": size, "seconds": time.monotonic() - started}
+
+
+def _refuse_same_file(source: str, dest: str) -> None:
+    if os.path.exists(dest) and os.path.samefile(source, dest):
+        raise CheckpointRefused(f"{dest} is the source file; write the result to a new file")
+
+
+# ---- conversion to NVFP4 -----------------------------------------------------------------------------------
+
+class _NVFP4Layer:
+    """One Linear to convert: quantized when the first of its tensors is written, each result handed out once."""
+
+    def __init__(self, handle, info: CheckpointInfo, layer: str, device: torch.device, input_scale: float | None):
+        self.handle, self.info, self.layer, self.device, self.input_scale = handle, info, layer, device, input_scale
+        self.format = info.layer_formats[layer]
+        self._entries: dict[str, torch.Tensor] | None = None
+
+    def planned(self) -> list[PlannedTensor]:
+        from comfy.quant_ops import get_layout_class
+
+        rows, cols = self.info.tensors[f"{self.layer}.weight"][1]
+        rows16, cols16 = get_layout_class(NVFP4_LAYOUT).get_padded_shape((rows, cols))
+        shapes = [("weight_scale_2", "F32", ())]
+        if self.input_scale is not None:
+            shapes.append(("input_scale", "F32", ()))
+        shapes += [("weight", "U8", (rows16, cols16 // 2)),
+                   ("weight_scale", "F8_E4M3", (roundup(rows16, 128), roundup(cols16 // BLOCK, 4)))]
+        return [PlannedTensor(f"{self.layer}.{suffix}", dtype, shape, lambda s=suffix: self._take(s))
+                for suffix, dtype, shape in shapes]
+
+    def _take(self, suffix: str) -> torch.Tensor:
+        if self._entries is None:
+            entries = synthetic.nvfp4_checkpoint_entries(self.layer, self._bf16_weight(), self.input_scale)
+            del entries[f"{self.layer}.comfy_quant"]  # written with the other 1-byte tensors
+            self._entries = {k: v.to("cpu") for k, v in entries.items()}
+        return self._entries.pop(f"{self.layer}.{suffix}")  # dropped once written
+
+    def _bf16_weight(self) -> torch.Tensor:
+        weight = self.handle.get_tensor(f"{self.layer}.weight")
+        if self.format is None:  # ComfyUI casts an unquantized weight to its compute dtype
+            return weight.to(device=self.device, dtype=torch.bfloat16)
+        from comfy.quant_ops import QUANT_ALGOS, QuantizedTensor, get_layout_class
+
+        algo = QUANT_ALGOS[self.format]
+        layout = algo["comfy_tensor_layout"]
+        scale = self.handle.get_tensor(_fp8_scale_key(self.info, self.layer)).to(self.device)
+        params = get_layout_class(layout).Params(scale=scale, orig_dtype=torch.float32,
+                                                 orig_shape=tuple(weight.shape))
+        quantized = QuantizedTensor(weight.to(device=self.device, dtype=algo["storage_t"]), layout, params)
+        return quantized.dequantize().to(torch.bfloat16)  # fp32 product rounded once (module docstring)
+
+
+def _fp8_scale_key(info: CheckpointInfo, layer: str) -> str:
+    key = f"{layer}.weight_scale"
+    return key if key in info.tensors else f"{layer}.scale_weight"
+
+
+def _check_convertible(info: CheckpointInfo, layer: str) -> None:
+    fmt = info.layer_formats[layer]
+    name = info.relative(layer)
+    if fmt == NVFP4_FORMAT:
+        raise CheckpointRefused(f"{name} is already NVFP4 (add static input scales with save_with_input_scales)")
+    if fmt is None:
+        dtype = info.tensors[f"{layer}.weight"][0]
+        if dtype not in _PLAIN_WEIGHT_DTYPES:
+            raise CheckpointRefused(f"{name} has an unquantized {dtype} weight; only floating-point weights convert")
+        return
+    if fmt not in FP8_FORMATS:
+        raise CheckpointRefused(f"{name} is stored as {fmt}: only bf16 / fp16 / fp32 and fp8_scaled "
+                                f"({', '.join(FP8_FORMATS)}) checkpoints convert to NVFP4 (int8 convrot and w6a8 "
+                                "checkpoints are not supported)")
+    if _fp8_scale_key(info, layer) not in info.tensors:
+        raise CheckpointRefused(f"{name} is {fmt} but has no weight_scale")
+
+
+def _device(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CheckpointRefused("device cuda was asked for, but CUDA is not available")
+    return device
+
+
+def _quant_metadata_after(info: CheckpointInfo, converted: Sequence[str]) -> dict[str, str]:
+    """The file's metadata with converted layers marked nvfp4 in ``_quantization_metadata`` (ComfyUI lets it
+    override the layers' tags)."""
+    metadata = dict(info.metadata)
+    quant_layers = _quant_metadata_layers(info.path, metadata)
+    if quant_layers is None:
+        return metadata
+    for layer in converted:
+        for name in (layer, info.relative(layer)):
+            if name in quant_layers:
+                quant_layers[name] = {"format": NVFP4_FORMAT}
+    document = json.loads(metadata[QUANT_METADATA_KEY])
+    document["layers"] = quant_layers
+    metadata[QUANT_METADATA_KEY] = json.dumps(document)
+    return metadata
+
+
+def convert_to_nvfp4(source_path, dest_path, *, layers: str | Iterable[str] = DEFAULT_LAYERS,
+                     input_scales: Mapping[str, float] | None = None, device="cpu",
+                     metadata: Mapping[str, str] | None = None, progress: Progress | None = None,
+                     overwrite: bool = False) -> dict:
+    """Convert the ``layers`` (see :func:`select_layers`) of a bf16 / fp16 / fp32 or fp8_scaled H3 checkpoint to
+    ComfyUI NVFP4, quantized on ``device`` by ComfyUI's own ``QuantizedTensor.from_float``; fp8 weights are
+    dequantized as ComfyUI does first. Their old scales / tags are dropped (the ``scaled_fp8`` marker too once no
+    layer needs it), ``input_scales`` become fp32 ``input_scale`` tensors of NVFP4 layers, everything else is
+    copied as it is. Returns a report."""
+    started = time.monotonic()
+    source = os.path.abspath(os.fspath(source_path))
+    dest = os.path.abspath(os.fspath(dest_path))
+    _refuse_same_file(source, dest)
+    _check_metadata(metadata or {})
+    device = _device(device)
+    with _open(source) as handle:
+        info = _inspect(handle, source)
+        chosen = select_layers(info, layers)
+        for layer in chosen:
+            _check_convertible(info, layer)
+        nvfp4_after = set(chosen) | {layer for layer, fmt in info.layer_formats.items() if fmt == NVFP4_FORMAT}
+        scales = _resolve_input_scales(info, input_scales or {}, nvfp4_after)
+
+        dropped = {f"{layer}.{suffix}" for layer in chosen for suffix in _REPLACED_SUFFIXES} & info.tensors.keys()
+        dropped |= {f"{layer}.input_scale" for layer in scales if layer not in chosen} & info.tensors.keys()
+        remaining_legacy = [name for name in info.tensors if name.endswith(".scale_weight") and name not in dropped]
+        if info.legacy_marker is not None and not remaining_legacy:
+            dropped.add(info.legacy_marker)
+
+        tag = torch.tensor(list(json.dumps({"format": NVFP4_FORMAT}).encode()), dtype=torch.uint8)
+        single = [_copied(handle, info, name) for name in info.tensors if name not in dropped]
+        single += [PlannedTensor(f"{layer}.comfy_quant", "U8", tuple(tag.shape), lambda: tag) for layer in chosen]
+        single += [_scalar(f"{layer}.input_scale", scale) for layer, scale in scales.items() if layer not in chosen]
+        groups = [_NVFP4Layer(handle, info, layer, device, scales.get(layer)).planned() for layer in chosen]
+        planned = _file_order(single, groups)
+        size = write_safetensors(dest, planned, {**_quant_metadata_after(info, chosen), **(metadata or {})},
+                                 progress=progress, overwrite=overwrite)
+    source_formats: dict[str, int] = {}
+    for layer in chosen:
+        source_formats[info.describe(layer)] = source_formats.get(info.describe(layer), 0) + 1
+    return {"dest": dest, "prefix": info.prefix, "converted": [info.relative(layer) for layer in chosen],
+            "source_formats": source_formats,
+            "input_scales": {info.relative(layer): scale for layer, scale in scales.items()},
+            "dropped": sorted(dropped), "tensors": len(planned), "bytes": size,
+            "seconds": time.monotonic() - started, "device": str(device)}

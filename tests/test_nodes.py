@@ -1,0 +1,390 @@
+"""The node pack inside the real ComfyUI, headless on the CPU: ComfyUI's own loader imports it, prompts run through
+``PromptExecutor``, ``comfy.sd.load_diffusion_model`` loads a tiny MiniMax H3 NVFP4 checkpoint (real key names and
+``comfy_quant`` tags, model detection finds ``minimax_h3``), and the whole model runs through the Loader / Patch /
+Toggle nodes. Off the GPU the fused path runs the Python twin of the kernels, which the nodes allow only when
+``H3_FUSED_NVFP4_REFERENCE_ON_CPU=1`` is set as the pack is imported (the ``pack`` fixture does that).
+
+ComfyUI imports the pack under its folder path while conftest.py imports the same files as ``h3_fused_nvfp4``: two
+copies of every module, so tests reach the ones the nodes use through ``pack.submodule`` and compare patch objects
+by class name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pathlib
+import sys
+
+import pytest
+import torch
+
+import comfy_harness as ch
+from h3_fused_nvfp4.integration import patch as patch_mod, synthetic as syn
+from parity import assert_bit_identical, selfcheck_mode
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+NODE_IDS = ["H3FusedNVFP4Loader", "H3FusedNVFP4Patch", "H3FusedNVFP4Toggle"]
+LOGGER = "h3_fused_nvfp4"
+ENV_VAR = "H3_FUSED_NVFP4_REFERENCE_ON_CPU"
+NUM_LAYERS, REFINER_LAYERS = 2, 2
+UNET_NAME = "tiny_h3_nvfp4.safetensors"
+
+
+@pytest.fixture(scope="module")
+def pack(comfyui):
+    """This repository loaded through ComfyUI's ``nodes.load_custom_node``, the CPU twin allowed."""
+    nodes_module_name = str(REPO_ROOT).replace(".", "_x_") + ".nodes"
+    first_import = nodes_module_name not in sys.modules
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV_VAR, "1")
+        loaded = ch.load_custom_node_pack(REPO_ROOT)
+    nodes_module = loaded.submodule("nodes")
+    if first_import:
+        assert nodes_module.REFERENCE_ON_CPU is True
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(nodes_module, "REFERENCE_ON_CPU", True)
+        yield loaded
+
+
+@pytest.fixture(autouse=True)
+def _selfcheck_runs(monkeypatch):
+    # The nodes run the self-check as users get it, on the CPU twin; a fresh verdict cache per test.
+    with selfcheck_mode("force"):
+        yield
+
+
+@contextlib.contextmanager
+def diffusion_models_folder(folder):
+    """Register ``folder`` for "diffusion_models"; restore ComfyUI's path list and file-list cache on exit."""
+    import folder_paths
+
+    key = "diffusion_models"
+    entry = folder_paths.folder_names_and_paths[key]
+    saved = list(entry[0])
+    folder_paths.filename_list_cache.pop(key, None)
+    folder_paths.add_model_folder_path(key, str(folder))
+    try:
+        yield folder
+    finally:
+        entry[0][:] = saved
+        folder_paths.filename_list_cache.pop(key, None)
+
+
+@pytest.fixture
+def model_file(comfyui, tmp_path, force_nvfp4_compute):
+    """A tiny H3 NVFP4 checkpoint (out_proj with a static input_scale) registered for "diffusion_models"."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "diffusion_models"
+    folder.mkdir()
+    sd = syn.model_state_dict(num_layers=NUM_LAYERS, refiner_layers=REFINER_LAYERS, seed=3,
+                              static_layers=("attn.out_proj",))
+    save_file(sd, str(folder / UNET_NAME))
+    with diffusion_models_folder(folder):
+        yield folder / UNET_NAME
+
+
+def load_graph(scope="block", toggles=True, loader="H3FusedNVFP4Loader") -> dict:
+    if loader == "H3FusedNVFP4Loader":
+        prompt = {"1": {"class_type": loader, "inputs": {"unet_name": UNET_NAME, "weight_dtype": "default",
+                                                          "scope": scope}}}
+    else:  # ComfyUI's own loader, then the Patch node
+        prompt = {"0": {"class_type": "UNETLoader", "inputs": {"unet_name": UNET_NAME, "weight_dtype": "default"}},
+                  "1": {"class_type": "H3FusedNVFP4Patch", "inputs": {"model": ["0", 0], "scope": scope}}}
+    if toggles:
+        prompt["2"] = {"class_type": "H3FusedNVFP4Toggle", "inputs": {"model": ["1", 0], "path": "comfy", "scope": "as patched"}}
+        prompt["3"] = {"class_type": "H3FusedNVFP4Toggle", "inputs": {"model": ["1", 0], "path": "fused", "scope": "as patched"}}
+    return prompt
+
+
+def expected_patch_keys(scope: str = "block") -> set[str]:
+    keys = set()
+    for prefix, n in (("blocks", NUM_LAYERS), ("token_refiner.blocks", REFINER_LAYERS)):
+        for i in range(n):
+            block = f"diffusion_model.{prefix}.{i}"
+            keys.add(f"{block}.mlp.forward")
+            keys.update(f"{block}.{path}.forward" for path in patch_mod.LINEAR_PATHS)
+            if prefix == "blocks" and scope == "block":
+                keys.update({f"{block}.forward", f"{block}.attn.forward"})
+    return keys
+
+
+def pack_records(caplog, level=logging.DEBUG):
+    return [r for r in caplog.records if r.name == LOGGER and r.levelno >= level]
+
+
+def built_in_graph(build):
+    """A model source factory: ``build()`` runs inside the executor (inference mode, as ComfyUI's loader nodes
+    run), once; later executions reuse the model."""
+    cache = {}
+
+    def factory():
+        if "model" not in cache:
+            cache["model"] = build()
+        return cache["model"]
+
+    return factory
+
+
+def stock_forwards(diffusion_model):
+    return {name: type(m).forward for name, m in diffusion_model.named_modules()}
+
+
+def assert_unpatched(diffusion_model, forwards):
+    for key in expected_patch_keys("block"):
+        path = key.removeprefix("diffusion_model.").removesuffix(".forward")
+        forward = diffusion_model.get_submodule(path).forward
+        assert getattr(forward, "__func__", None) is forwards[path], (key, forward)
+
+
+# ---- loading the pack --------------------------------------------------------------------------------------
+
+def test_pack_loads_as_v3_through_comfyui_loader(pack, comfyui):
+    assert not hasattr(pack.module, "NODE_CLASS_MAPPINGS")
+    assert sorted(pack.node_ids) == sorted(NODE_IDS)
+    assert not [line for line in pack.log if "Traceback" in line or "Cannot import" in line], pack.log
+    for node_id in NODE_IDS:
+        cls = comfyui.nodes.NODE_CLASS_MAPPINGS[node_id]
+        assert issubclass(cls, comfyui.io.ComfyNode) and cls.CATEGORY == "model/h3 fused nvfp4"
+    assert set(pack.display_names) == set(NODE_IDS)
+    toggle = comfyui.nodes.NODE_CLASS_MAPPINGS["H3FusedNVFP4Toggle"].INPUT_TYPES()
+    assert toggle["required"]["path"][1]["options"] == ["fused", "comfy"]
+    scope = (toggle.get("optional") or {}).get("scope") or toggle["required"]["scope"]
+    assert scope[1]["options"] == ["as patched", *patch_mod.SCOPES] and scope[1]["default"] == "as patched"
+
+
+# ---- the whole model through the nodes ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("scope", patch_mod.SCOPES)
+def test_loader_toggle_whole_model_bit_identical(pack, model_file, clean_models, caplog, scope):
+    """Loader -> Toggle(comfy) and Toggle(fused) -> the diffusion model's forward, twice: same bytes as ComfyUI."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    prompt = load_graph(scope)
+    for tag, model_node in (("comfy", "2"), ("fused1", "3"), ("fused2", "3"), ("comfy2", "2")):
+        prompt[f"f_{tag}"] = ch.forward_node([model_node, 0], tag, seed=5)
+    run = ch.run_prompt(prompt)
+    run.raise_for_status()
+    loaded, comfy_clone, fused_clone = run.output("1"), run.output("2"), run.output("3")
+    assert type(loaded.model).__name__ == "MiniMaxH3"  # ComfyUI's model detection found minimax_h3
+    assert set(loaded.object_patches) == expected_patch_keys(scope)
+    assert comfy_clone.object_patches == {} and set(fused_clone.object_patches) == expected_patch_keys(scope)
+    results = ch.FORWARD_RESULTS
+    for tag in ("fused1", "fused2", "comfy2"):
+        for a, b, stream in zip(results[tag], results["comfy"], ("video", "audio")):
+            assert_bit_identical(a, b, f"{tag} {stream} output, scope {scope}")
+    used = [v for k, v in fused_clone.object_patches.items()
+            if type(v).__name__ == "FusedNVFP4Linear" and k.startswith("diffusion_model.blocks.")]
+    assert len(used) == 4 * NUM_LAYERS and all(v.calls_fused > 0 and v.calls_stock == 0 for v in used), [
+        (v.name, v.calls_fused, v.calls_stock) for v in used]
+    if scope == "block":
+        state = fused_clone.object_patches["diffusion_model.blocks.0.forward"].state
+        assert state.block_check == "passed", state.block_check_detail
+    summary = run.ui_text("1")
+    layers, static = 4 * (NUM_LAYERS + REFINER_LAYERS), NUM_LAYERS + REFINER_LAYERS  # out_proj has input_scale
+    assert summary.startswith(f"H3 fused NVFP4: patched {NUM_LAYERS} DiT + {REFINER_LAYERS} refiner blocks, "
+                              f"{layers} NVFP4 layers ({layers - static} dynamic-scale, {static} static input_scale)")
+    assert "self-check passed" in summary and f"scope {scope}" in summary
+    assert run.ui_text("3") == summary
+    assert run.ui_text("2").startswith("H3 fused NVFP4: ComfyUI's own NVFP4 path selected")
+    # Unloaded: ComfyUI restored every forward it had replaced.
+    dm = loaded.model.diffusion_model
+    clean_models.unload_all_models()
+    assert_unpatched(dm, stock_forwards(dm))
+
+
+def test_patch_node_after_comfyui_sparse_attention(pack, model_file, clean_models, comfyui):
+    """ComfyUI's sparse-attention patch (``apply_block_sparse_attention``, what its BlockSparseAttention node does: a
+    block-replace patch per block and an attention override; on the CPU it runs dense), then the Patch node: the
+    fused blocks run under those patches, bits unchanged."""
+    import comfy.sd
+    from comfy_extras.nodes_sparse_attention import apply_block_sparse_attention
+
+    def build():
+        loaded = comfy.sd.load_diffusion_model(str(model_file))
+        return apply_block_sparse_attention(loaded, tau=1.3, topk_ratio=0.0, vsa=False, start_percent=0.0,
+                                            end_percent=1.0, min_tokens=0, dense_blocks="",
+                                            sink_conditioning="exact_kv_and_rows", extra_tokens=256, verbose=False)
+
+    run = ch.run_prompt({"s": ch.model_source_node(ch.register_model(built_in_graph(build))),
+                         "1": {"class_type": "H3FusedNVFP4Patch", "inputs": {"model": ["s", 0], "scope": "block"}},
+                         "2": {"class_type": "H3FusedNVFP4Toggle",
+                               "inputs": {"model": ["s", 0], "path": "comfy", "scope": "as patched"}},
+                         "f1": ch.forward_node(["2", 0], "sparse comfy", seed=6),
+                         "f2": ch.forward_node(["1", 0], "sparse fused", seed=6)})
+    run.raise_for_status()
+    for a, b in zip(ch.FORWARD_RESULTS["sparse fused"], ch.FORWARD_RESULTS["sparse comfy"]):
+        assert_bit_identical(a, b, "under ComfyUI's sparse-attention patch")
+    patched = run.output("1")
+    replace = patched.model_options["transformer_options"]["patches_replace"]["dit"]
+    assert ("double_block", 0) in replace  # the sparse node's block patch is still installed around ours
+    assert patched.model_options["transformer_options"].get("optimized_attention_override") is not None
+    used = [v for k, v in patched.object_patches.items() if type(v).__name__ == "FusedNVFP4Linear"
+            and k.startswith("diffusion_model.blocks.")]
+    assert used and all(v.calls_fused > 0 for v in used)
+
+
+# ---- models the pack does not touch, devices it cannot use -------------------------------------------------
+
+def _patch_only_graph(key: str) -> dict:
+    return {"1": ch.model_source_node(key), "2": {"class_type": "H3FusedNVFP4Patch", "inputs": {"model": ["1", 0], "scope": "block"}}}
+
+
+def test_non_h3_model_passes_through_with_one_warning(pack, caplog):
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    source = syn.model_patcher_for(net, "cpu")
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    run = ch.run_prompt(_patch_only_graph(ch.register_model(source)))
+    run.raise_for_status()
+    patched = run.output("2")
+    assert patched is not source and patched.object_patches == {} and source.object_patches == {}
+    records = pack_records(caplog, logging.WARNING)
+    assert len(records) == 1 and "Sequential has no MiniMax H3 transformer blocks" in records[0].getMessage()
+    assert run.ui_text("2") == records[0].getMessage()
+
+
+def test_h3_blocks_without_nvfp4_layers_pass_through(pack, comfyui):
+    import comfy.ldm.minimax.model as m
+    import comfy.ops
+
+    block = m.DiTBlock(64, 1, 128, 128, 32, 1e-5, 1e-5, dtype=torch.bfloat16,
+                       operations=comfy.ops.disable_weight_init)
+    clone, report = patch_mod.apply_fused(syn.model_patcher_for(syn.BlockHolder([block]), "cpu"), "block",
+                                          allow_reference_backend=True)
+    assert not report.applied and "no NVFP4-quantized Linear" in report.reason and clone.object_patches == {}
+
+
+def test_cpu_without_reference_backend_is_left_unpatched(comfyui, caplog):
+    source = syn.model_patcher_for(syn.BlockHolder([syn.make_dit_block(seed=41)]), "cpu")
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    clone, report = patch_mod.apply_fused(source, "block")
+    assert not report.applied and "no CUDA device" in report.reason and clone.object_patches == {}
+    assert [r.levelno for r in pack_records(caplog)] == [logging.WARNING]
+
+
+def test_kernel_build_failure_leaves_the_model_unpatched(pack, comfyui, monkeypatch, caplog):
+    """The kernels fail to build for the (pretended) GPU: Patch returns the model unpatched and says why once."""
+    pack_patch = pack.submodule("integration.patch")
+    source = syn.model_patcher_for(syn.BlockHolder([syn.make_dit_block(seed=51)]), "cpu")
+    source.load_device = torch.device("cuda", 0)
+    monkeypatch.setattr(pack_patch, "_device_description", lambda device: "GPU Fake sm_121")
+    monkeypatch.setattr(pack_patch, "kernel_status", lambda device: (False, "build failed: NVRTC (forced by test)"))
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    run = ch.run_prompt(_patch_only_graph(ch.register_model(source)))
+    run.raise_for_status()
+    assert run.output("2").object_patches == {}
+    message = run.ui_text("2")
+    assert message == ("H3 fused NVFP4: model left as ComfyUI runs it (block): kernels unavailable on GPU Fake "
+                       "sm_121: build failed: NVRTC (forced by test)")
+    assert [r.getMessage() for r in pack_records(caplog, logging.WARNING)] == [message]
+
+
+def test_linear_build_failure_falls_back_and_logs_once(comfyui, monkeypatch, caplog):
+    from h3_fused_nvfp4.integration import linear as linear_mod
+    from h3_fused_nvfp4.kernels import runtime
+
+    layer = syn.make_nvfp4_linear(256, 768, seed=61)
+    fused = linear_mod.FusedNVFP4Linear(layer, "blocks.0.attn.qkv_proj (build failure test)")
+
+    def broken_backend(x):
+        raise runtime.KernelBuildError("no kernels for sm_75 (forced)")
+
+    monkeypatch.setattr(linear_mod, "backend_for", broken_backend)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    x = torch.randn(37, 256, generator=torch.Generator().manual_seed(62)).to(torch.bfloat16)
+    with torch.inference_mode():
+        stock = layer(x)
+        first, second = fused(x), fused(x)
+    assert_bit_identical(first, stock, "first call")
+    assert_bit_identical(second, stock, "second call")
+    assert fused.calls_fused == 0 and fused.calls_stock == 2
+    lines = [r.getMessage() for r in pack_records(caplog) if "build failure test" in r.getMessage()]
+    assert len(lines) == 1 and "kernel build failed: no kernels for sm_75 (forced)" in lines[0]
+
+
+def test_lora_weight_wrapper_takes_comfyui_path_for_that_layer(pack, model_file, clean_models, comfyui):
+    """A weight wrapper on one layer (what a LoRA loader installs), added before the Patch node: that layer takes
+    ComfyUI's path, the rest stays fused, the model output is unchanged."""
+    import comfy.sd
+
+    lora_layer = "blocks.0.attn.qkv_proj"
+
+    def build():
+        source = comfy.sd.load_diffusion_model(str(model_file))
+        source.add_weight_wrapper(f"diffusion_model.{lora_layer}.weight", lambda weight: weight)
+        return source
+
+    run = ch.run_prompt({"1": ch.model_source_node(ch.register_model(built_in_graph(build))),
+                         "2": {"class_type": "H3FusedNVFP4Patch", "inputs": {"model": ["1", 0], "scope": "block"}},
+                         "3": {"class_type": "H3FusedNVFP4Toggle",
+                               "inputs": {"model": ["1", 0], "path": "comfy", "scope": "as patched"}},
+                         "f1": ch.forward_node(["3", 0], "lora comfy", seed=7),
+                         "f2": ch.forward_node(["2", 0], "lora fused", seed=7)})
+    run.raise_for_status()
+    for a, b in zip(ch.FORWARD_RESULTS["lora fused"], ch.FORWARD_RESULTS["lora comfy"]):
+        assert_bit_identical(a, b, "LoRA-like wrapper")
+    linears = {v.name: v for v in run.output("2").object_patches.values() if type(v).__name__ == "FusedNVFP4Linear"}
+    assert linears[lora_layer].calls_fused == 0 and linears[lora_layer].calls_stock > 0
+    assert all(v.calls_fused > 0 for k, v in linears.items() if k.startswith("blocks.") and k != lora_layer)
+
+
+def test_missing_file_is_a_clear_validation_error(pack, model_file):
+    with pytest.raises(AssertionError, match="unet_name: 'no_such_model.safetensors' not in"):
+        ch.run_prompt({"1": {"class_type": "H3FusedNVFP4Loader",
+                             "inputs": {"unet_name": "no_such_model.safetensors", "weight_dtype": "default",
+                                        "scope": "block"}}})
+
+
+def test_toggle_keeps_the_patched_scope(pack, model_file, clean_models):
+    prompt = load_graph("linears")
+    run = ch.run_prompt(prompt)
+    run.raise_for_status()
+    assert set(run.output("3").object_patches) == expected_patch_keys("linears")
+    state = run.output("3").model_options["transformer_options"][patch_mod.STATE_KEY]
+    assert state["scope"] == "linears"
+
+
+@pytest.mark.parametrize("weight_dtype", ["default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2"])
+def test_loader_passes_the_same_model_options_as_unet_loader(pack, model_file, monkeypatch, weight_dtype):
+    """Loader and ComfyUI's UNETLoader resolve the same file and pass the same model_options (recorded)."""
+    import comfy.sd
+
+    calls = []
+    source = syn.model_patcher_for(torch.nn.Linear(4, 4), "cpu")
+    monkeypatch.setattr(comfy.sd, "load_diffusion_model", lambda path, model_options={}: (
+        calls.append((path, dict(model_options))), source)[1])
+    run = ch.run_prompt({
+        "1": {"class_type": "H3FusedNVFP4Loader", "inputs": {"unet_name": UNET_NAME, "weight_dtype": weight_dtype,
+                                                           "scope": "block"}},
+        "2": {"class_type": "UNETLoader", "inputs": {"unet_name": UNET_NAME, "weight_dtype": weight_dtype}}})
+    run.raise_for_status()
+    assert len(calls) == 2 and calls[0] == calls[1] and calls[0][0] == str(model_file), calls
+    assert "has no MiniMax H3 transformer blocks" in run.ui_text("1")  # a non-H3 model: passed through
+
+
+def test_torch_compile_traces_the_stock_path(comfyui):
+    """Under dynamo the patched forwards take ComfyUI's path (the traced graph is the stock one) with the stock bits;
+    the same patches called eagerly run fused (the control)."""
+    from test_h3_block_cpu import TOKENS, fused, linears, run_blocks
+
+    torch._dynamo.reset()
+    blocks = [syn.make_dit_block(seed=91, static_layers=("attn.out_proj",))]
+    inputs = syn.make_block_inputs(tokens=TOKENS, seed=92)
+    x, t_emb, segments, rope = inputs
+    stock = run_blocks(blocks, inputs)
+
+    def fn(h):
+        return blocks[0](h, t_emb, segments, rope, transformer_options={"block_index": 0})
+
+    try:
+        with fused(blocks) as patches:
+            compiled = torch.compile(fn, backend="eager")
+            first = compiled(x.clone())
+            used = linears(patches)
+            assert all(v.calls_fused == 0 and v.calls_stock > 0 for v in used), [(v.name, v.calls_fused) for v in used]
+            eager = run_blocks(blocks, inputs)
+            assert all(v.calls_fused == 1 for v in used)
+    finally:
+        torch._dynamo.reset()
+    assert_bit_identical(first, stock, "compiled")
+    assert_bit_identical(eager, stock, "eager fused")
