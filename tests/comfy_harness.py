@@ -181,17 +181,23 @@ def _leaf_nodes(prompt: dict) -> list[str]:
     return [nid for nid in prompt if nid not in referenced]
 
 
+def validate_prompt(prompt: dict, targets: Iterable[str]) -> None:
+    """ComfyUI's per-node validation (``execution.validate_inputs``) of ``targets`` and what they depend on."""
+    handles = comfy()
+    validated: dict = {}
+    for nid in targets:
+        ok, reasons, _ = asyncio.run(handles.execution.validate_inputs("validate", prompt, str(nid), validated))
+        if ok is not True:
+            bad = {k: v[1] for k, v in validated.items() if v[0] is not True and v[1]}
+            raise AssertionError(f"prompt failed validation for {nid}: {reasons or bad}")
+
+
 def run_prompt(prompt: dict, outputs: Iterable[str] | None = None) -> PromptRun:
     """Validate (ComfyUI's per-node validator) and execute ``prompt`` with a fresh ``PromptExecutor``."""
     handles = comfy()
     prompt = {str(k): v for k, v in prompt.items()}
     targets = [str(o) for o in outputs] if outputs is not None else _leaf_nodes(prompt)
-    validated: dict = {}
-    for nid in targets:
-        ok, reasons, _ = asyncio.run(handles.execution.validate_inputs("validate", prompt, nid, validated))
-        if ok is not True:
-            bad = {k: v[1] for k, v in validated.items() if v[0] is not True and v[1]}
-            raise AssertionError(f"prompt failed validation for {nid}: {reasons or bad}")
+    validate_prompt(prompt, targets)
     executor = handles.execution.PromptExecutor(FakeServer(), cache_type=handles.execution.CacheType.CLASSIC,
                                                 cache_args={"lru": 0, "ram": 0, "ram_inactive": 0})
     executor.execute(prompt, str(uuid.uuid4()), {}, targets)

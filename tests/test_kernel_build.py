@@ -4,7 +4,9 @@
   cubin for each supported arch-specific target, and the cubin holds every kernel entry point.
 * nvcc, when one is on PATH: the same build, and ptxas reports no register spills.
 * PTX: sm_100a and later use the hardware E2M1 conversion, sm_90a the software path.
-* The on-disk cubin cache: atomic writes, hits, and keys that change with the sources.
+* The Blackwell-path build for Hopper (NVFP4_EMULATE_BLACKWELL): no E2M1 instruction on sm_90a, and no effect on
+  targets that have the instruction.
+* The on-disk cubin cache: atomic writes, hits, keys that change with the sources, corrupt files rebuilt.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import subprocess
 
 import pytest
 
-from h3_fused_nvfp4.kernels import runtime
+from h3_fused_nvfp4.kernels import ops, runtime
 
 # The entry points kernels/ops.py looks up by name (every source's entry points are checked; these must exist).
 PACK_SOURCE = "nvfp4_pack.cu"
@@ -26,9 +28,16 @@ KERNELS = (
     "nvfp4_absmax_swiglu",
     "nvfp4_pack_plain",
     "nvfp4_pack_modulate",
+    "nvfp4_pack_norm_modulate",
     "nvfp4_pack_swiglu",
+    "nvfp4_pack_swiglu_table",
     "h3_gated_residual",
+    "h3_row_norm_stats",
+    "h3_row_norm_amax",
+    "h3_row_norm_residual_stats",
+    "h3_row_norm_residual_amax",
 )
+EMULATE = (("NVFP4_EMULATE_BLACKWELL", 1),)
 # Targets that must build (GB10 and RTX 50 are sm_121/sm_120, B200 sm_100, H200 the sm_90 development target).
 REQUIRED_ARCHS = ("sm_90a", "sm_100a", "sm_120a", "sm_121a")
 HW_E2M1 = "cvt.rn.satfinite.e2m1x2.f32"
@@ -64,8 +73,16 @@ _cubins: dict[tuple[str, str], bytes] = {}
 def _nvrtc_cubin(arch: str, source: str) -> bytes:
     key = (arch, source)
     if key not in _cubins:
-        _cubins[key] = runtime.compile_cubin(arch, source)
+        _cubins[key] = runtime.compile_cubin(arch, source, ops.kernel_defines(source))
     return _cubins[key]
+
+
+def test_sources_refuse_to_build_without_the_launch_constants():
+    """kernels/ops.py LAUNCH is the one source of the launch shape: a build without it fails loudly."""
+    _require_nvrtc()
+    for source in runtime.SOURCES:
+        with pytest.raises(runtime.KernelBuildError, match="passes"):
+            runtime.compile_cubin("sm_90a", source)
 
 
 @pytest.mark.parametrize("source", runtime.SOURCES)
@@ -83,7 +100,7 @@ def test_nvrtc_builds_every_kernel(arch, source):
 @pytest.mark.parametrize("arch", runtime.SUPPORTED_ARCHS)
 def test_ptx_uses_hardware_e2m1_from_sm100(arch):
     _require_nvrtc()
-    ptx = runtime.compile_ptx(arch, PACK_SOURCE)
+    ptx = runtime.compile_ptx(arch, PACK_SOURCE, ops.kernel_defines())
     assert f".target {arch}" in ptx, f"compile_ptx({arch}) produced PTX for another target"
     for kernel in KERNELS:
         assert f".entry {kernel}(" in ptx, f"{arch}: no .entry {kernel} in the PTX"
@@ -95,13 +112,17 @@ def test_ptx_uses_hardware_e2m1_from_sm100(arch):
         assert HW_E2M1 not in ptx, f"{arch} has no E2M1 instruction; the software path should be built"
 
 
-@pytest.mark.parametrize("impl", ["0", "3", "4", "9"])
-def test_sm90_software_e2m1_variants_build(impl):
-    """The software E2M1 variants (compare chain, value at a time, pairwise default, timing probe) compile."""
+def test_blackwell_path_builds_for_hopper_with_modelled_instructions():
+    """NVFP4_EMULATE_BLACKWELL compiles the sm_100+ code path on sm_90a with the E2M1 instruction modelled in
+    software (so the GPU suite can run it on a Hopper GPU); on Blackwell targets it changes nothing."""
     _require_nvrtc()
-    ptx = runtime.compile_ptx("sm_90a", PACK_SOURCE, defines=(("E2M1_SW_IMPL", impl),))
-    assert HW_E2M1 not in ptx
-    assert all(f".entry {k}(" in ptx for k in KERNELS)
+    hopper = runtime.compile_ptx("sm_90a", PACK_SOURCE, ops.kernel_defines())
+    emulated = runtime.compile_ptx("sm_90a", PACK_SOURCE, ops.kernel_defines() + EMULATE)
+    assert HW_E2M1 not in emulated and emulated != hopper
+    assert all(f".entry {k}(" in emulated for k in KERNELS)
+    for arch in ("sm_100a", "sm_121a"):
+        assert runtime.compile_ptx(arch, PACK_SOURCE, ops.kernel_defines() + EMULATE) == \
+            runtime.compile_ptx(arch, PACK_SOURCE, ops.kernel_defines())
 
 
 # ---- nvcc ------------------------------------------------------------------------------------------------
@@ -126,7 +147,7 @@ def test_nvcc_builds_without_spills(arch, source, tmp_path):
         pytest.skip(f"this nvcc does not know {arch}")
     out = tmp_path / f"{arch}.cubin"
     cmd = [nvcc, "-std=c++17", "-cubin", f"-arch={arch}", "-Xptxas", "-v",
-           str(runtime.KERNEL_DIR / source), "-o", str(out)]
+           *[f"-D{k}={v}" for k, v in ops.kernel_defines(source)], str(runtime.KERNEL_DIR / source), "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{log}"
@@ -179,7 +200,7 @@ def test_cache_writes_atomically_then_hits(fake_build, monkeypatch):
     assert len(calls) == 1
     files = _cached_files(cache)
     assert len(files) == 1 and files[0].startswith("nvfp4_pack-sm_121a-") and files[0].endswith(".cubin"), files
-    assert (cache / files[0]).read_bytes() == first
+    assert (cache / files[0]).read_bytes()[:len(first)] == first  # + the integrity trailer
     # Written to a temporary file in the same folder, then renamed over the final name (atomic on POSIX).
     assert len(renames) == 1
     src, dst = renames[0]
@@ -222,3 +243,17 @@ def test_unwritable_cache_still_returns_the_cubin(fake_build, monkeypatch, tmp_p
     _, calls = fake_build
     cubin = runtime.cached_cubin("sm_90a")
     assert cubin.startswith(b"\x7fELF") and len(calls) == 1
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped byte", "empty", "no trailer"])
+def test_corrupt_cached_cubin_is_rebuilt_not_loaded(fake_build, damage):
+    cache, calls = fake_build
+    good = runtime.cached_cubin("sm_100a")
+    (path,) = cache.iterdir()
+    data = path.read_bytes()
+    damaged = {"truncated": data[: len(data) // 2], "flipped byte": data[:5] + bytes([data[5] ^ 1]) + data[6:],
+               "empty": b"", "no trailer": good}[damage]
+    path.write_bytes(damaged)
+    assert runtime.cached_cubin("sm_100a").startswith(b"\x7fELF fake cubin sm_100a")
+    assert len(calls) == 2, "the damaged file was loaded instead of rebuilt"
+    assert path.read_bytes() != damaged and runtime.cached_cubin("sm_100a") is not None and len(calls) == 2

@@ -10,8 +10,9 @@ by this pack's loader plus the A/B toggle and the turbo-LoRA switch left out. Th
   resolved), except the deliberate changes listed in ``DELIBERATE``;
 * the wiring is the template's (same edges once the switch is collapsed and UNETLoader is swapped for our nodes);
 * the UI-format links are consistent;
-* with the headless ComfyUI 0.3.75 (which predates every H3 node): our nodes resolve through ComfyUI's loader,
-  their widget values are valid for their schemas, and the API-format subgraph of our nodes passes validation.
+* with the real headless ComfyUI the tests run (tests/comfy_harness.py): our nodes resolve through ComfyUI's
+  loader, their widget values are valid for their schemas, and the API-format subgraph of our nodes passes
+  ComfyUI's validation (V3 combo values included).
 """
 
 from __future__ import annotations
@@ -420,7 +421,7 @@ def test_notes_explain_files_and_ab(workflow):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# headless ComfyUI 0.3.75
+# the real headless ComfyUI
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -476,7 +477,7 @@ def test_full_graph_converts_to_api(workflow):
 
 
 def test_our_nodes_resolve_through_comfyui_loader(pack, comfyui):
-    assert pack.api == "v3"
+    assert not hasattr(pack.module, "NODE_CLASS_MAPPINGS")  # V3 only
     assert set(pack.node_ids) == PACK_NODE_IDS
     for node_id in PACK_NODE_IDS:
         assert node_id in comfyui.nodes.NODE_CLASS_MAPPINGS
@@ -507,29 +508,31 @@ def test_api_subset_of_our_nodes_validates(workflow, pack, comfyui, nvfp4_file):
     toggle = [nid for nid, n in prompt.items() if n["class_type"] == "H3FusedNVFP4Toggle"]
     ch.validate_prompt(prompt, toggle)  # validates the loader too (the toggle's model input)
 
-    # 0.3.75 checks presence and link types but not V3 combo values (its check wants a plain list, V3 sends
-    # ("COMBO", {"options": ...})); test_our_widget_values_fit_our_schemas checks those. Prove the check is live:
+    # Prove the validation is live: a missing input and a value outside a combo are both rejected.
     broken = json.loads(json.dumps(prompt))
     del broken[toggle[0]]["inputs"]["path"]
     with pytest.raises(AssertionError, match="validation"):
         ch.validate_prompt(broken, toggle)
+    broken = json.loads(json.dumps(prompt))
+    broken[toggle[0]]["inputs"]["path"] = "neither"
+    with pytest.raises(AssertionError, match="value_not_in_list"):
+        ch.validate_prompt(broken, toggle)
 
 
-# The workflow's node types that 0.3.75's core nodes.py already has (the rest are comfy_extras nodes that are newer
-# there, or H3 nodes that 0.3.75 lacks).
-CORE_TYPES_IN_0_3_75 = {"CLIPLoader", "VAELoader", "VAEDecode"}
+# The workflow's node types in ComfyUI's core nodes.py (the rest are comfy_extras nodes, loaded only by a full start).
+CORE_TYPES = {"CLIPLoader", "VAELoader", "VAEDecode"}
 
 
-def test_core_nodes_known_to_0_3_75_take_our_inputs(workflow, comfyui):
-    """The API inputs we would submit are inputs of 0.3.75's own classes for the node types it has."""
+def test_core_nodes_take_our_inputs(workflow, comfyui):
+    """The API inputs we would submit are inputs of ComfyUI's own classes for its core node types."""
     mappings = comfyui.nodes.NODE_CLASS_MAPPINGS
     prompt = to_api(workflow)
     checked = set()
     for node in prompt.values():
-        if node["class_type"] not in CORE_TYPES_IN_0_3_75:
+        if node["class_type"] not in CORE_TYPES:
             continue
         spec = mappings[node["class_type"]].INPUT_TYPES()
         known = set(spec.get("required", {})) | set(spec.get("optional", {}))
         assert set(node["inputs"]) <= known, (node["class_type"], set(node["inputs"]) - known)
         checked.add(node["class_type"])
-    assert checked == CORE_TYPES_IN_0_3_75
+    assert checked == CORE_TYPES
