@@ -35,9 +35,14 @@ NVFP4_DEVICE float bf16_lo(u32 pair) { return __uint_as_float(pair << 16); }
 NVFP4_DEVICE float bf16_hi(u32 pair) { return __uint_as_float(pair & 0xFFFF0000u); }
 
 // Round to nearest even, NaN -> canonical NaN: the instruction torch's c10::BFloat16(float) uses on CUDA.
+// NVFP4_PLANT_FAULT (tests of the self-check only) rounds toward zero instead: a wrong kernel it must catch.
 NVFP4_DEVICE u16 f32_to_bf16(float f) {
     u16 r;
+#if defined(NVFP4_PLANT_FAULT) && NVFP4_PLANT_FAULT
+    asm("cvt.rz.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+#else
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+#endif
     return r;
 }
 NVFP4_DEVICE u32 pack_bf16x2(float lo, float hi) {

@@ -1,0 +1,155 @@
+"""The first-use self-check (integration/selfcheck.py) on the CPU, with the Python twin of the kernels.
+
+Planted faults: a wrong twin op (the modulation's shift applied before the scale) fails the kernel check and the
+model falls back for that op with the message; a changed ComfyUI block (its op order, through a monkeypatched
+DiTBlock.forward) is caught by the block check. Verdicts are cached on disk and re-checked when a key part
+changes. (Planted wrong CUDA kernels: tests/test_gpu_selfcheck.py; corrupt kernel cache files:
+tests/test_kernel_build.py.)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from h3_fused_nvfp4.integration import patch, selfcheck, synthetic as syn
+from h3_fused_nvfp4.reference import fused_ops
+from parity import assert_bit_identical, selfcheck_mode
+from test_h3_block_cpu import TOKENS, linears, run_blocks
+
+pytestmark = pytest.mark.usefixtures("comfyui")
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("H3_FUSED_NVFP4_CACHE", str(tmp_path / "cache"))
+    with selfcheck_mode("auto"):
+        yield tmp_path / "cache"
+
+
+def swapped_modulate(x, modulation):
+    """The planted fault: ComfyUI's modulation with its two roundings swapped (shift before scale)."""
+    scale = modulation.scale[modulation.mod_index.long()]
+    shift = modulation.shift[modulation.mod_index.long()]
+    return x.add(shift).mul_(1.0 + scale)
+
+
+def patched_model(blocks):
+    patcher = syn.model_patcher_for(syn.BlockHolder(blocks), "cpu")
+    return patch.apply_fused(patcher, "block", allow_reference_backend=True)
+
+
+def run_patched(clone, blocks, inputs):
+    clone.patch_model(load_weights=False)
+    try:
+        return run_blocks(blocks, inputs)
+    finally:
+        clone.unpatch_model()
+
+
+def test_every_probe_passes_on_the_twin_quickly():
+    t0 = time.perf_counter()
+    results = selfcheck.run_kernel_checks(fused_ops, CPU)
+    seconds = time.perf_counter() - t0
+    assert set(results) == set(selfcheck.KERNEL_OPS)
+    assert {n for n, r in results.items() if r.ok is False} == set(), {n: r.detail for n, r in results.items()}
+    assert results["linear"].ok is None and "no FP4 GEMM" in results["linear"].detail
+    assert seconds < 5.0, f"the self-check took {seconds:.2f} s on the CPU"
+
+
+def test_planted_wrong_op_fails_the_check_and_the_model_falls_back(monkeypatch, caplog):
+    monkeypatch.setattr(fused_ops, "modulate", swapped_modulate)
+    results = selfcheck.run_kernel_checks(fused_ops, CPU)
+    failed = {n for n, r in results.items() if r.ok is False}
+    assert {"pack_modulate", "rms_norm", "pack_norm"} <= failed and "pack" not in failed, failed
+    detail = results["pack_modulate"].detail
+    assert "differs at index" in detail and "fused" in detail and "ComfyUI" in detail, detail
+
+    blocks = [syn.make_dit_block(seed=3 + i) for i in range(2)]
+    inputs = syn.make_block_inputs(tokens=TOKENS, seed=5)
+    stock = run_blocks(blocks, inputs)
+    caplog.set_level(logging.INFO, logger="h3_fused_nvfp4")
+    clone, report = patched_model(blocks)
+    assert report.applied and "self-check FAILED for" in report.summary() and "pack_modulate" in report.summary()
+    assert "report.py" in report.summary()
+    assert_bit_identical(run_patched(clone, blocks, inputs), stock, "with the failed ops on ComfyUI's path")
+    qkv = [v for v in linears(clone.object_patches, "blocks.") if v.name.endswith("qkv_proj")]
+    assert qkv and all(v.calls_fused == 0 and v.calls_stock > 0 for v in qkv)
+    notes = [r.getMessage() for r in caplog.records if "self-check found it differs" in r.getMessage()]
+    assert notes, "the fallback did not say why"
+
+
+def test_changed_comfyui_block_is_caught_by_the_block_check(monkeypatch):
+    """ComfyUI's DiTBlock.forward applying the MLP modulation's shift before its scale: only the block check can
+    see it (every kernel probe still passes); the model then runs ComfyUI's path, and the verdict is remembered."""
+    import comfy.ldm.minimax.model as m
+
+    def mod_shift_first(h, shift, scale, segments):
+        for a, b, row in segments:
+            h[a:b].add_(m._mod_row(shift, row, h.dtype)).mul_(1.0 + m._mod_row(scale, row, h.dtype))
+        return h
+
+    def changed_forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options={}, attention=None):
+        attention = self.attn if attention is None else attention
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj(t_emb)
+        h = m._mod_scale_shift(self.norm1(x), shift_msa, scale_msa, mod_segments)
+        x = m._mod_gate(x, gate_msa, attention(h, rope_freqs=rope_freqs, transformer_options=transformer_options),
+                        mod_segments)
+        h = mod_shift_first(self.norm2(x), shift_mlp, scale_mlp, mod_segments)
+        return m._mod_gate(x, gate_mlp, self.mlp(h), mod_segments)
+
+    monkeypatch.setattr(m.DiTBlock, "forward", changed_forward)
+    blocks = [syn.make_dit_block(seed=11 + i) for i in range(2)]
+    inputs = syn.make_block_inputs(tokens=TOKENS, seed=13)
+    stock = run_blocks(blocks, inputs)  # the changed ComfyUI
+    clone, report = patched_model(blocks)
+    assert report.applied and "self-check passed" in report.summary()
+    result = run_patched(clone, blocks, inputs)
+    state = clone.object_patches["diffusion_model.blocks.0.forward"].state
+    assert state.block_check == "failed" and "differs at index" in state.block_check_detail
+    assert_bit_identical(result, stock, "the call that found the difference returns ComfyUI's result")
+    assert_bit_identical(run_patched(clone, blocks, inputs), stock, "later calls run ComfyUI's path")
+    # The next patch of a model in this environment knows it at once, from the cached verdict.
+    selfcheck.forget_verdicts()
+    _, again = patched_model([syn.make_dit_block(seed=17)])
+    assert not again.applied and "block check FAILED" in again.reason
+
+
+def test_verdict_is_cached_and_rechecked_when_a_key_part_changes(monkeypatch, own_cache):
+    first = selfcheck.kernel_verdict(CPU, fused_ops)
+    assert first.origin == "ran" and not first.failed()
+    assert list((own_cache / "selfcheck").glob("*.json"))
+    selfcheck.forget_verdicts()
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the cached verdict should have been used")
+
+    monkeypatch.setattr(selfcheck, "run_kernel_checks", must_not_run)
+    cached = selfcheck.kernel_verdict(CPU, fused_ops)
+    assert cached.origin == "cached" and cached.ops.keys() == first.ops.keys()
+    selfcheck.forget_verdicts()
+    monkeypatch.setattr(selfcheck, "comfyui_version", lambda: "999.0.0")  # another ComfyUI: check again
+    with pytest.raises(AssertionError, match="cached verdict should have been used"):
+        selfcheck.kernel_verdict(CPU, fused_ops)
+
+
+def test_force_reruns_and_skip_checks_nothing(monkeypatch):
+    selfcheck.kernel_verdict(CPU, fused_ops)
+    with selfcheck_mode("force"):
+        assert selfcheck.kernel_verdict(CPU, fused_ops).origin == "ran"
+    with selfcheck_mode("skip"):
+        verdict = selfcheck.kernel_verdict(CPU, fused_ops)
+        assert verdict.origin == "skipped" and "skipped" in verdict.summary()
+
+
+def test_a_check_that_raises_is_a_failed_check_not_an_exception(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded (planted)")
+
+    monkeypatch.setattr(fused_ops, "gated_residual_", broken)
+    results = selfcheck.run_kernel_checks(fused_ops, CPU)
+    assert results["gated_residual"].ok is False and "kernel exploded (planted)" in results["gated_residual"].detail
