@@ -25,6 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 import conftest  # noqa: E402,F401  (imports this repository as h3_fused_nvfp4)
 
+from h3_fused_nvfp4.integration.report import copy_bandwidth_gbs, device_info, time_ms, warm_up_gpu  # noqa: E402
 from h3_fused_nvfp4.kernels import ops  # noqa: E402
 
 ROWS = 37810
@@ -34,26 +35,6 @@ WIDTHS = (5376, 7168, 14336)
 # Cycles of the spin kernel queued ahead of each timed call (about 1 ms at H200 / Blackwell clocks).
 HOST_LEAD_CYCLES = 2_000_000
 
-
-def time_ms(fn, reps=30, warmup=5):
-    """GPU time of one call of ``fn``, per repeat (CUDA events).
-
-    A spin kernel is queued before each start event, so Python's launch overhead (tens of microseconds for a
-    pack call: argument checks, the output allocation, ctypes) overlaps it and the interval holds only the GPU
-    work, as inside a model where the GPU runs ahead of the host. Without it a 0.15 ms kernel would be timed as
-    host overhead plus kernel."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(HOST_LEAD_CYCLES)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
 
 
 def kernel_times_ms(fn, reps=10):
@@ -74,24 +55,6 @@ def kernel_times_ms(fn, reps=10):
     return {name: statistics.median(v) for name, v in durations.items()}
 
 
-def warm_up_gpu(seconds=3.0):
-    """Keep the GPU busy for a few seconds so clocks leave their idle state before anything is timed."""
-    import time
-
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        for _ in range(20):
-            a = a @ a
-            a = a / a.abs().amax()
-        torch.cuda.synchronize()
-
-
-def copy_bandwidth_gbs(nbytes=2 << 30):
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    t = statistics.median(time_ms(lambda: dst.copy_(src), reps=20))
-    return 2 * nbytes / (t * 1e-3) / 1e9
 
 
 def count_launches(fn):
@@ -104,33 +67,6 @@ def count_launches(fn):
         torch.cuda.synchronize()
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and e.name not in ("cudaDeviceSynchronize",))
 
-
-def device_info():
-    props = torch.cuda.get_device_properties(0)
-    info = {
-        "name": props.name,
-        "compute_capability": f"sm_{props.major}{props.minor}",
-        "sm_count": props.multi_processor_count,
-        "memory_gib": round(props.total_memory / 2**30, 1),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-    }
-    try:
-        import comfy_kitchen
-
-        info["comfy_kitchen"] = getattr(comfy_kitchen, "__version__", None) or _dist_version("comfy-kitchen")
-    except ImportError:
-        info["comfy_kitchen"] = None
-    try:
-        smi = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.mem,clocks.max.sm", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10,
-        ).stdout.strip()
-        info["nvidia_smi"] = smi
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return info
 
 
 def _dist_version(name):
@@ -218,7 +154,7 @@ def main():
         "command": "python benchmarks/bench_pack.py --out " + args.out,
         "timing": "GPU time: CUDA events with a spin kernel queued ahead of each call (host launch overhead "
                   "excluded); per-kernel times from torch.profiler",
-        "device": device_info(),
+        "device": device_info(torch.device("cuda", 0)),
         "copy_bandwidth_gbs_read_plus_write": copy_gbs,
         "results": results,
     }

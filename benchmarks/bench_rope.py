@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import conftest  # noqa: E402,F401
-from bench_pack import copy_bandwidth_gbs, device_info, time_ms, warm_up_gpu  # noqa: E402
+from h3_fused_nvfp4.integration.report import copy_bandwidth_gbs, device_info, time_ms, warm_up_gpu  # noqa: E402
 
 from h3_fused_nvfp4.kernels import ops  # noqa: E402
 
@@ -54,7 +54,7 @@ def main():
     moved = 2 * 2 * rows * 7168 * 2  # q and k read once and written once
     copy = copy_bandwidth_gbs()
     report = {"benchmark": "rms_rope_split_half_ on H3 q/k views", "command": "python benchmarks/bench_rope.py",
-              "device": device_info(), "rows": rows, "bit_identical": equal, "median_ms": med,
+              "device": device_info(torch.device("cuda", 0)), "rows": rows, "bit_identical": equal, "median_ms": med,
               "speedup": med["comfy_kitchen"] / med["fused"], "bytes_moved": moved,
               "achieved_gbs": {k: moved / (v * 1e-3) / 1e9 for k, v in med.items()},
               "copy_bandwidth_gbs_read_plus_write": copy}

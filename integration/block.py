@@ -533,12 +533,13 @@ class FusedDiTBlock:
     def _residual(self, backend, x, gate, other, mod_segments, index, next_norm, next_modulation, global_scale_out):
         """In place ``x += other * gate[row]``; with ``next_norm`` also that norm's statistics of the new x (and the
         next projection's global scale). Returns whether the statistics were produced."""
+        gate16 = _bf16_table(gate)
         reason = selfcheck.op_refusal(x.device, "gated_residual")
         if reason is None:
-            reason = backend.residual_support(x, other, gate, next_norm=next_norm)
+            reason = backend.residual_support(x, other, gate16, next_norm=next_norm)
         if reason is None:
             try:
-                backend.gated_residual_(x, other, _bf16_table(gate), index, next_norm=next_norm,
+                backend.gated_residual_(x, other, gate16, index, next_norm=next_norm,
                                         next_modulation=next_modulation, global_scale_out=global_scale_out)
                 return next_norm is not None
             except (runtime.KernelBuildError, ValueError) as exc:

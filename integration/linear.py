@@ -242,7 +242,7 @@ class FusedNVFP4Linear:
                         if static is not None:
                             packed.alpha = static_alpha
                         out = nvfp4_gemm(packed, weight, bias, self.layer.out_features, x.dtype)
-                except runtime.KernelBuildError as exc:  # a failed launch: nothing was written to the output
+                except (runtime.KernelBuildError, ValueError) as exc:  # refused or failed: no output written
                     reason = f"kernel launch failed: {exc}"
         if out is None:
             return self._stock(reason, x, stock)

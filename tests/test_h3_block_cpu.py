@@ -33,7 +33,7 @@ def fused(blocks, scope="block", block_check=False):
     states = {p.state for p in patches.values() if hasattr(p, "state")}
     for state in states:
         state.block_check = "pending" if block_check else "passed"
-    patcher = syn.model_patcher_for(holder, "cpu")
+    patcher = syn.model_patcher_for(holder)
     for key, value in patches.items():
         patcher.add_object_patch(f"diffusion_model.{key}", value)
     patcher.patch_model(load_weights=False)

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# GPU checks and measurements in one call on an offline GPU machine; logs and JSON under ${OUT:-benchmarks/out}.
+#
+#   STEPS="tests report"  bash benchmarks/gpu_run.sh
+#
+# Steps (run in the order given; each has its own time limit STEP_TIMEOUT seconds):
+#   tests          the GPU tests (tests/test_gpu_*.py), ComfyUI's real code
+#   emulated       the same with H3_FUSED_NVFP4_EMULATE_BLACKWELL=1 (the Blackwell code path, its instructions
+#                  modelled in software: runs on Hopper)
+#   report         python report.py --dram (dynamic scales)         -> report.json
+#   report-static  python report.py --dram --all-static            -> report-static.json
+#   bench-pack     benchmarks/bench_pack.py                        -> pack.json
+#
+# The machine has no network: .whl/ holds the wheels it lacks (comfy-kitchen, comfy-aimdo, torchsde, trampoline;
+# ../shared/tools/device-wheels.sh and pip download make them), .device/comfyui.tar.gz a copy of ../shared/comfyui and
+# .device/av_stub an import-time stand-in for PyAV (ComfyUI's video I/O imports it; nothing here decodes video).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/out}
+mkdir -p "$OUT"
+STEP_TIMEOUT=${STEP_TIMEOUT:-420}
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if [[ -f .device/comfyui.tar.gz && -z "${COMFYUI_PATH:-}" ]]; then
+  mkdir -p /tmp/comfyui && tar -xzf .device/comfyui.tar.gz -C /tmp/comfyui
+  export COMFYUI_PATH=/tmp/comfyui
+fi
+python3 -c 'import av' 2>/dev/null || export PYTHONPATH=$PWD/.device/av_stub${PYTHONPATH:+:$PYTHONPATH}
+export H3_FUSED_NVFP4_CACHE=${H3_FUSED_NVFP4_CACHE:-/tmp/h3_fused_nvfp4_cache} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+summary=()
+for step in ${STEPS:-tests report}; do
+  start=$SECONDS
+  case "$step" in
+    tests) timeout "$STEP_TIMEOUT" python3 -m pytest tests/test_gpu_*.py -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} \
+             > "$OUT/tests.log" 2>&1; rc=$?; tail -3 "$OUT/tests.log" ;;
+    emulated) H3_FUSED_NVFP4_EMULATE_BLACKWELL=1 H3_FUSED_NVFP4_CACHE=/tmp/h3_emulated_cache timeout "$STEP_TIMEOUT" \
+             python3 -m pytest tests/test_gpu_pack_parity.py tests/test_gpu_block.py tests/test_gpu_selfcheck.py \
+             tests/test_gpu_rms_rope.py -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} > "$OUT/emulated.log" 2>&1; rc=$?
+             tail -3 "$OUT/emulated.log" ;;
+    report) timeout "$STEP_TIMEOUT" python3 report.py --dram --ncu-timeout 300 --out "$OUT/report.json" > "$OUT/report.log" 2>&1; rc=$?
+            tail -8 "$OUT/report.log" ;;
+    report-static) timeout "$STEP_TIMEOUT" python3 report.py --dram --ncu-timeout 300 --all-static --out "$OUT/report-static.json" \
+             > "$OUT/report-static.log" 2>&1; rc=$?; tail -8 "$OUT/report-static.log" ;;
+    bench-pack) timeout "$STEP_TIMEOUT" python3 benchmarks/bench_pack.py --out "$OUT/pack.json" > "$OUT/pack.log" 2>&1
+             rc=$?; tail -12 "$OUT/pack.log" ;;
+    *) echo "unknown step $step"; rc=2 ;;
+  esac
+  summary+=("$step: exit $rc, $((SECONDS - start)) s")
+done
+printf '%s\n' "${summary[@]}" | tee "$OUT/steps.txt"

@@ -1,0 +1,539 @@
+"""The report: the self-check, verbosely, then ComfyUI's real H3 block profiled stock vs fused in one process.
+
+Run it with ComfyUI's own Python (no pytest): ``python <pack>/report.py [--out FILE] [--dram]``. It uses the
+ComfyUI it is installed in, or ``COMFYUI_PATH``, or ``../shared/comfyui`` (integration/comfy_env.py).
+
+On a GPU: three consecutive real ``DiTBlock``s at full H3 width (37,810 tokens of the 1344x768, 124-frame layout,
+random NVFP4 weights made by ComfyUI's own quantizer); the middle one is measured, so the fused arm shows its steady
+state (norm statistics handed over from the block before, and to the block after). Both arms run on the same blocks
+and inputs; outputs are compared byte for byte first. The JSON has the sections of the GB10 reference profile
+(device, workload, capture, component1_residual, nvfp4, other_boundaries, native_pack_validation, validation,
+source_artifacts), each for both arms, plus the self-check, versions and GEMM mode. ``--dram`` adds DRAM bytes read
+and written per kernel from Nsight Compute (``ncu``), per category, with a GB10 projection.
+
+On a CPU: the same comparison at a reduced width with the Python twin of the kernels: a wiring check, labelled so,
+with no speed figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from . import comfy_env, synthetic as syn
+
+PACK_ROOT = pathlib.Path(__file__).resolve().parents[1]
+SEED = 440420
+GB10_READ_BANDWIDTH_GBS = 232.0   # measured on a DGX Spark (reference profile)
+GB10_SPEC_BANDWIDTH_GBS = 273.0   # LPDDR5X datasheet
+HOST_LEAD_CYCLES = 2_000_000      # spin kernel ahead of each timed call: hides the host's launch overhead
+NCU_METRICS = "dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum"
+MARKER = "spin_kernel"            # torch.cuda._sleep's kernel: opens each measured window under ncu
+
+# Kernel-name fragments -> category (first match wins).
+CATEGORIES = (
+    ("fused_absmax", ("nvfp4_absmax",)),
+    ("fused_pack", ("nvfp4_pack",)),
+    ("fused_row_norm", ("h3_row_norm",)),
+    ("fused_gated_residual", ("h3_gated_residual",)),
+    ("fused_rms_rope", ("h3_rms_rope",)),
+    ("emulation_dequant", ("dequantize_nvfp4",)),
+    ("comfy_pack", ("quantize_nvfp4",)),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "sm90_", "sm100_", "sm120_", "wgmma")),
+    ("rms_rope", ("rms_rope", "rope")),
+    ("rms_norm", ("rms_norm", "layer_norm", "RowwiseMoments")),
+    ("abs", ("AbsFunctor", "abs_kernel")),
+    ("amax_reduce", ("reduce_kernel",)),
+    ("silu", ("silu",)),
+    ("addcmul", ("addcmul",)),
+    ("mul", ("MulFunctor", "mul_kernel")),
+    ("add", ("AddFunctor", "add_kernel", "CUDAFunctor_add")),
+    ("div", ("DivFunctor", "div_true", "MulScalar", "div_kernel")),
+    ("fill", ("FillFunctor", "fill_kernel", "memset", "Memset")),
+    ("copy", ("copy", "Memcpy", "cat", "transpose")),
+)
+NOT_ELEMENTWISE = ("gemm", "attention", "emulation_dequant", "emulation_gemm")
+
+
+def categorize(name: str) -> str:
+    low = name.lower()
+    for category, keys in CATEGORIES:
+        if any(k.lower() in low for k in keys):
+            return category
+    return "other_elementwise"
+
+
+def label_kernels(names: list[str]) -> list[str]:
+    """Categories of a kernel sequence, with two rules: a cuBLAS workspace memset counts with the GEMM after it,
+    and a GEMM right after NVFP4 dequantize launches is the emulated NVFP4 GEMM (no FP4 tensor cores)."""
+    cats = [categorize(n) for n in names]
+    for i, n in enumerate(names):
+        if cats[i] == "fill" and "emset" in n and i + 1 < len(cats) and cats[i + 1] in ("gemm", "attention"):
+            cats[i] = cats[i + 1]
+    for i in range(len(cats)):
+        if cats[i] == "gemm" and "emset" not in names[i]:
+            j = i - 1
+            while j >= 0 and cats[j] == "gemm" and "emset" in names[j]:
+                j -= 1
+            if j >= 0 and cats[j] == "emulation_dequant":
+                for m in range(j + 1, i + 1):
+                    cats[m] = "emulation_gemm"
+    return cats
+
+
+# ---- device measurements -------------------------------------------------------------------------------------
+
+def _version(name: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:
+        return "not installed"
+
+
+def device_info(device: torch.device) -> dict:
+    info = {"torch": torch.__version__, "cuda_runtime": torch.version.cuda, "python": platform.python_version(),
+            "comfy_kitchen": _version("comfy-kitchen")}
+    if device.type != "cuda":
+        return {"name": "cpu", **info}
+    props = torch.cuda.get_device_properties(device)
+    info.update(name=props.name, compute_capability=f"SM{props.major}{props.minor}", sms=props.multi_processor_count,
+                memory_gib=round(props.total_memory / 2**30, 1))
+    try:
+        query = "driver_version,clocks.sm,clocks.max.sm,clocks.mem"
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader", "-i", str(device.index or 0)],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+        info.update(dict(zip(query.split(","), [v.strip() for v in out.split(",")])))
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def warm_up_gpu(seconds: float = 3.0) -> None:
+    """Bring clocks up before measuring (the first milliseconds of a cold GPU run slower)."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a = (a @ a).clamp_(-1, 1)
+    torch.cuda.synchronize()
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second (the memory ceiling)."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = time_ms(lambda: dst.copy_(src), reps=20, warmup=3)
+    return 2 * src.numel() / (statistics.median(times) * 1e-3) / 1e9
+
+
+def time_ms(fn, reps: int = 30, warmup: int = 5) -> list[float]:
+    """GPU time of one call of ``fn`` per repeat (CUDA events, a spin kernel ahead of each call so the host's
+    launch overhead overlaps it, as inside a running model)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(HOST_LEAD_CYCLES)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def kernel_profile(fn) -> list[dict]:
+    """The CUDA kernels one call of ``fn`` launches, in order: name, category, GPU ms (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    names = [e.name for e in events]
+    cats = label_kernels(names)
+    return [{"kernel": n[:160], "category": c, "ms": getattr(e, "device_time_total", 0.0) / 1e3}
+            for n, c, e in zip(names, cats, events)]
+
+
+def by_category(kernels: list[dict], key: str = "ms") -> dict:
+    out: dict[str, dict] = {}
+    for k in kernels:
+        slot = out.setdefault(k["category"], {"launches": 0, key: 0.0})
+        slot["launches"] += 1
+        slot[key] += k.get(key, 0.0)
+    return {c: {"launches": v["launches"], key: round(v[key], 4)} for c, v in sorted(out.items())}
+
+
+# ---- the blocks --------------------------------------------------------------------------------------------
+
+class BlockChain:
+    """Three consecutive real DiTBlocks and their inputs; ``arm("comfy" | "fused")`` switches the patches."""
+
+    def __init__(self, dims, tokens, device, static_layers=(), seed=SEED):
+        from . import patch
+
+        self.blocks = [syn.make_dit_block(dims, seed=seed + i, device=device, static_layers=static_layers)
+                       for i in range(3)]
+        self.inputs = syn.make_block_inputs(dims, tokens, seed=seed + 7, device=device, n_timesteps=2)
+        self.holder = syn.BlockHolder(self.blocks)
+        self.patches, self.report = patch.build_patches(self.holder, "block")
+        for p in self.patches.values():
+            if hasattr(p, "state"):
+                p.state.block_check = "passed"  # the report compares the arms itself
+        self.patcher = syn.model_patcher_for(self.holder, device)
+        for key, value in self.patches.items():
+            self.patcher.add_object_patch(f"diffusion_model.{key}", value)
+        self.work = torch.empty_like(self.inputs[0])
+        self.current = "comfy"
+
+    def arm(self, name: str) -> None:
+        if name != self.current:
+            if name == "fused":
+                self.patcher.patch_model(load_weights=False)
+            else:
+                self.patcher.unpatch_model()
+            self.current = name
+
+    def call(self, i: int) -> torch.Tensor:
+        _, t_emb, segments, rope = self.inputs
+        with torch.inference_mode():
+            return self.blocks[i](self.work, t_emb, segments, rope, transformer_options={"block_index": i})
+
+    def run(self, measure=None) -> torch.Tensor:
+        """All three blocks on a fresh copy of the input; ``measure(fn)`` wraps the middle block's call."""
+        self.work.copy_(self.inputs[0])
+        self.call(0)
+        (measure or (lambda fn: fn()))(lambda: self.call(1))
+        return self.call(2)
+
+
+def _sections(kernels: list[dict], block_ms: float | None, arm: str, rows: int) -> dict:
+    cats = by_category(kernels)
+
+    def ms(*names):
+        return round(sum(cats.get(n, {}).get("ms", 0.0) for n in names), 4)
+
+    def n(*names):
+        return sum(cats.get(n, {}).get("launches", 0) for n in names)
+
+    rest = [k for k in kernels if k["category"] not in NOT_ELEMENTWISE]
+    return {
+        "capture": {"tool": "torch.profiler (CUDA activity), the middle of three warmed blocks",
+                    "kernel_launches": len(kernels),
+                    "launches_excluding_gemm_attention_and_emulation": len(rest),
+                    "block_ms_median": None if block_ms is None else round(block_ms, 3)},
+        "component1_residual": {
+            "modulation_launches": n("mul", "add") if arm == "comfy" else 0,
+            "modulation_total_ms": ms("mul", "add") if arm == "comfy" else 0.0,
+            "gate_add_launches": n("addcmul", "fused_gated_residual", "fused_row_norm"),
+            "gate_add_total_ms": ms("addcmul", "fused_gated_residual", "fused_row_norm"),
+            "note": "fused: the gated residual kernels also produce the next RMSNorm's statistics and the next "
+                    "projection's amax (h3_row_norm_*)" if arm == "fused" else "stock ComfyUI ops",
+        },
+        "nvfp4": {
+            "gemm_launches": n("gemm", "emulation_gemm"), "gemm_total_ms": ms("gemm", "emulation_gemm"),
+            "emulated_gemm": n("emulation_gemm") > 0,
+            "emulation_dequant_launches": n("emulation_dequant"), "emulation_dequant_ms": ms("emulation_dequant"),
+            "activation_pack_launches": n("comfy_pack", "fused_pack"),
+            "activation_pack_total_ms": ms("comfy_pack", "fused_pack"),
+            "absmax_launches": n("abs", "amax_reduce", "fused_absmax"),
+            "absmax_total_ms": ms("abs", "amax_reduce", "fused_absmax"),
+            "scale_finalize_launches": n("div"), "block_scale_zero_launches": n("fill"),
+        },
+        "other_boundaries": {
+            "layout_copy_launches": n("copy"), "layout_copy_total_ms": ms("copy"),
+            "swiglu_silu_total_ms": ms("silu"), "rms_rope_total_ms": ms("rms_rope", "fused_rms_rope"),
+            "rms_norm_total_ms": ms("rms_norm"), "row_norm_kernels_ms": ms("fused_row_norm"),
+            "non_gemm_non_attention_ms": round(sum(k["ms"] for k in rest), 4),
+            "non_gemm_non_attention_launches": len(rest),
+        },
+        "kernels": kernels,
+        "by_category": cats,
+    }
+
+
+def pack_validation(device, rows: int = 37810) -> dict:
+    """The fused pack against ComfyUI's ``QuantizedTensor.from_float`` at H3's three input widths."""
+    from comfy.quant_ops import QuantizedTensor
+
+    from ..kernels import ops
+    from .selfcheck import first_difference
+
+    gen = torch.Generator(device=device).manual_seed(SEED)
+    out = {"validated_feature_widths": [], "rows": rows}
+    for k in (5376, 7168, 14336):
+        x = (torch.randn((rows, k), generator=gen, device=device) * 3).to(torch.bfloat16)
+        qt = QuantizedTensor.from_float(x, "TensorCoreNVFP4Layout")
+        packed = ops.pack_nvfp4(x) if device.type == "cuda" else None
+        if packed is None:
+            break
+        out[str(k)] = {
+            "qdata_difference_count": int((packed.qdata != qt._qdata).sum()),
+            "block_scale_difference_count": int((packed.block_scales.view(torch.uint8)
+                                                 != qt._params.block_scale.view(torch.uint8)).sum()),
+            "global_scale": first_difference("g", packed.global_scale.reshape(1), qt._params.scale.reshape(1)) or "equal",
+        }
+        out["validated_feature_widths"].append(k)
+    return out
+
+
+def _both(comfy: dict, fused: dict, key: str) -> dict:
+    return {"comfy": comfy[key], "fused": fused[key]}
+
+
+def profile_blocks(args, device) -> dict:
+    from .linear import gemm_mode
+
+    dims = syn.H3_FULL if device.type == "cuda" else syn.H3_SMALL
+    tokens = syn.FULL_TOKENS if device.type == "cuda" else (19, 46, 245)
+    static = tuple(syn.QUANTIZED_LINEARS) if args.all_static else tuple(args.static_layers or ())
+    chain = BlockChain(dims, tokens, device, static_layers=static)
+    rows = chain.inputs[0].shape[0]
+    # Both arms twice before comparing: ComfyUI's emulated GEMM path gives other bits on its very first call.
+    outputs = {}
+    for _ in range(2):
+        for arm in ("comfy", "fused"):
+            chain.arm(arm)
+            outputs[arm] = chain.run().clone()
+    differing = int((outputs["comfy"].view(torch.int16) != outputs["fused"].view(torch.int16)).sum())
+    max_abs = float((outputs["comfy"].float() - outputs["fused"].float()).abs().nan_to_num(0).max())
+    linears = [v for v in chain.patches.values() if type(v).__name__ == "FusedNVFP4Linear"]
+    result = {
+        "workload": {"resolution": [1344, 768] if device.type == "cuda" else None,
+                     "frames": 124 if device.type == "cuda" else None, "packed_tokens": rows,
+                     "segments": len(chain.inputs[2]), "blocks": "3 consecutive real DiTBlocks, the middle one measured",
+                     "dims": dims.label, "seed": SEED, "static_input_scale_layers": list(static),
+                     "attention": "ComfyUI's optimized_attention (the running ComfyUI's backend)",
+                     "gemm": gemm_mode(device) + ("" if gemm_mode(device) == "nvfp4" else
+                                                  ": no FP4 tensor cores here, the NVFP4 GEMM is EMULATED in both arms "
+                                                  "(dequantize + bf16 matmul)")},
+        "validation": {"block_output_differing_elements": differing, "block_output_max_abs_diff": max_abs,
+                       "fused_linear_calls": sum(v.calls_fused for v in linears),
+                       "comfy_path_fallback_calls": sum(v.calls_stock for v in linears)},
+    }
+    if device.type != "cuda":
+        label = ("CPU run at a reduced width: the Python twin of the kernels against ComfyUI's real block (a wiring "
+                 "check; no kernels ran, no speed figures)")
+        result["workload"]["label"] = label
+        for key in ("capture", "component1_residual", "nvfp4", "other_boundaries", "native_pack_validation"):
+            result[key] = {"comfy": None, "fused": None, "note": "not measured: " + label}
+        return result
+    warm_up_gpu()
+    samples = {"comfy": [], "fused": []}
+    for _ in range(args.reps):
+        for arm in ("comfy", "fused"):
+            chain.arm(arm)
+            times = []
+
+            def measure(fn):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(HOST_LEAD_CYCLES)
+                start.record()
+                fn()
+                end.record()
+                times.append((start, end))
+
+            chain.run(measure)
+            torch.cuda.synchronize()
+            samples[arm].append(times[0][0].elapsed_time(times[0][1]))
+    sections = {}
+    for arm in ("comfy", "fused"):
+        chain.arm(arm)
+        kernels = []
+        chain.run(lambda fn: kernels.extend(kernel_profile(fn)))
+        sections[arm] = _sections(kernels, statistics.median(samples[arm]), arm, rows)
+    chain.arm("comfy")
+    for key in ("capture", "component1_residual", "nvfp4", "other_boundaries"):
+        result[key] = _both(sections["comfy"], sections["fused"], key)
+    result["kernel_sequences"] = {arm: sections[arm]["kernels"] for arm in sections}
+    c, f = (sections[a]["other_boundaries"]["non_gemm_non_attention_ms"] for a in ("comfy", "fused"))
+    result["summary"] = {"block_ms_median": {a: sections[a]["capture"]["block_ms_median"] for a in sections},
+                         "non_gemm_non_attention_ms": {"comfy": c, "fused": f},
+                         "non_gemm_non_attention_speedup": round(c / max(f, 1e-9), 3)}
+    return result
+
+
+# ---- DRAM bytes from Nsight Compute ------------------------------------------------------------------------
+
+def _ncu_child(args) -> int:
+    """Under ncu: one warmed middle block per arm between cudaProfilerStart/Stop, each window opened by a spin
+    kernel (the marker the parent splits the kernel list at)."""
+    device = torch.device("cuda", 0)
+    static = tuple(syn.QUANTIZED_LINEARS) if args.all_static else tuple(args.static_layers or ())
+    chain = BlockChain(syn.H3_FULL, syn.FULL_TOKENS, device, static_layers=static)
+    for arm in ("comfy", "fused", "comfy", "fused"):
+        chain.arm(arm)
+        chain.run()
+    torch.cuda.synchronize()
+    for arm in ("comfy", "fused"):
+        chain.arm(arm)
+
+        def window(fn):
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
+            torch.cuda._sleep(1000)
+            fn()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+
+        chain.run(window)
+    torch.cuda.synchronize()
+    return 0
+
+
+def _parse_ncu(text: str) -> list[list[dict]]:
+    rows = list(csv.DictReader(io.StringIO(text[text.index('"ID"'):])))
+    kernels: dict[str, dict] = {}
+    order = []
+    for r in rows:
+        kid = r["ID"]
+        if kid not in kernels:
+            kernels[kid] = {"kernel": r["Kernel Name"][:160]}
+            order.append(kid)
+        value = float(r["Metric Value"].replace(",", "")) if r["Metric Value"] not in ("", "n/a") else 0.0
+        unit = r.get("Metric Unit", "")
+        scale = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1e-6, "usecond": 1e-3,
+                 "msecond": 1.0, "second": 1e3}.get(unit, 1)
+        kernels[kid][r["Metric Name"]] = value * scale
+    windows: list[list[dict]] = []
+    for kid in order:
+        k = kernels[kid]
+        if MARKER in k["kernel"]:
+            windows.append([])
+            continue
+        if windows:
+            windows[-1].append(k)
+    return windows
+
+
+def dram_bytes(args) -> dict:
+    """Run this report's ncu child under Nsight Compute and turn its CSV into bytes per kernel and category."""
+    ncu = os.environ.get("NCU", "ncu")
+    env = dict(os.environ, H3_FUSED_NVFP4_SELFCHECK="skip")
+    cmd = [ncu, "--csv", "--metrics", NCU_METRICS, "--clock-control", "none", "--profile-from-start", "off",
+           sys.executable, str(PACK_ROOT / "report.py"), "--ncu-child"]
+    if args.all_static:
+        cmd.append("--all-static")
+    for layer in args.static_layers or ():
+        cmd += ["--static-layers", layer]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.ncu_timeout)
+    if proc.returncode != 0 or '"ID"' not in proc.stdout:
+        return {"error": f"ncu failed ({proc.returncode}): {(proc.stderr or proc.stdout)[-2000:]}"}
+    windows = _parse_ncu(proc.stdout)
+    if len(windows) != 2:
+        return {"error": f"expected 2 measured windows in the ncu output, found {len(windows)}"}
+    out = {"command": " ".join(cmd[:9]) + " python report.py --ncu-child", "tool": "Nsight Compute",
+           "scope": "the middle of three warmed blocks, each kernel replayed with flushed caches (ncu default)"}
+    for arm, kernels in zip(("comfy", "fused"), windows):
+        names = [k["kernel"] for k in kernels]
+        for k, cat in zip(kernels, label_kernels(names)):
+            k["category"] = cat
+            k["bytes"] = k.get("dram__bytes_read.sum", 0.0) + k.get("dram__bytes_write.sum", 0.0)
+            k["ms"] = k.get("gpu__time_duration.sum", 0.0)
+        rest = [k for k in kernels if k["category"] not in NOT_ELEMENTWISE]
+        total = sum(k["bytes"] for k in rest)
+        out[arm] = {
+            "non_gemm_non_attention_dram_bytes": total,
+            "non_gemm_non_attention_dram_gb": round(total / 1e9, 3),
+            "non_gemm_non_attention_launches": len(rest),
+            "non_gemm_non_attention_ncu_ms": round(sum(k["ms"] for k in rest), 4),
+            "gb10_projection_ms_at_232_gbs": round(total / (GB10_READ_BANDWIDTH_GBS * 1e9) * 1e3, 2),
+            "gb10_projection_ms_at_273_gbs": round(total / (GB10_SPEC_BANDWIDTH_GBS * 1e9) * 1e3, 2),
+            "by_category_gb": {c: round(sum(k["bytes"] for k in kernels if k["category"] == c) / 1e9, 4)
+                               for c in sorted({k["category"] for k in kernels})},
+            "kernels": [{"kernel": k["kernel"], "category": k["category"], "gb": round(k["bytes"] / 1e9, 4),
+                         "ms": round(k["ms"], 4)} for k in kernels],
+        }
+    return out
+
+
+# ---- main --------------------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="JSON file (default: h3-fused-nvfp4-report-<gpu>.json in the current folder)")
+    parser.add_argument("--reps", type=int, default=6, help="timed repetitions per arm")
+    parser.add_argument("--dram", action="store_true", help="DRAM bytes per kernel from Nsight Compute (ncu)")
+    parser.add_argument("--all-static", action="store_true", help="every projection with a static input_scale")
+    parser.add_argument("--static-layers", action="append", help="a projection with a static input_scale")
+    parser.add_argument("--skip-profile", action="store_true", help="the self-check only")
+    parser.add_argument("--ncu-timeout", type=int, default=900)
+    parser.add_argument("--ncu-child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    comfy = comfy_env.import_comfyui()
+    # comfy-kitchen warns on every emulated FP4 GEMM (no FP4 tensor cores): the JSON names the emulation instead.
+    import logging
+
+    logging.getLogger("comfy_kitchen.tensor.nvfp4").setLevel(logging.ERROR)
+    if args.ncu_child:
+        return _ncu_child(args)
+    from . import selfcheck
+    from .linear import backend_for, gemm_mode
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    print(f"H3 fused NVFP4 report: ComfyUI {comfy.version} at {comfy.location.root} ({comfy.location.how}); "
+          f"device {device_info(device).get('name')}; torch {torch.__version__}")
+    os.environ.setdefault(selfcheck.SELFCHECK_ENV, "force")
+    verdict = selfcheck.kernel_verdict(device, backend_for(torch.empty(0, device=device)))
+    for name, r in verdict.ops.items():
+        state = {True: "ok", False: "FAILED", None: "n/a"}[r.ok]
+        print(f"  self-check {name:15s} {state:6s} {r.ms:7.1f} ms  {r.detail}")
+    print(f"  {verdict.summary()}")
+    result = {"device": device_info(device),
+              "versions": {"comfyui": comfy.version, "comfyui_path": str(comfy.location.root),
+                           "comfyui_found_as": comfy.location.how, "comfy_kitchen": _version("comfy-kitchen"),
+                           "torch": torch.__version__, "pack": _version("h3-fused-nvfp4")},
+              "gemm_mode": gemm_mode(device),
+              "selfcheck": verdict.to_json() | {"summary": verdict.summary(), "origin": verdict.origin}}
+    h3_missing = comfy_env.h3_importable()
+    if args.skip_profile or h3_missing:
+        result["workload"] = {"skipped": h3_missing or "--skip-profile"}
+    else:
+        profile = profile_blocks(args, device)
+        result.update(profile)
+        if device.type == "cuda":
+            result["device"]["copy_bandwidth_gbs_read_plus_write"] = round(copy_bandwidth_gbs(), 1)
+            result["native_pack_validation"] = pack_validation(device)
+            if args.dram:
+                result["dram"] = dram_bytes(args)
+    result["source_artifacts"] = {"command": " ".join(["python report.py", *(argv if argv is not None else sys.argv[1:])]),
+                                  "pack": str(PACK_ROOT)}
+    name = (result["device"].get("name", "cpu")).replace(" ", "-").lower()
+    out = pathlib.Path(args.out or f"h3-fused-nvfp4-report-{name}.json")
+    out.write_text(json.dumps(result, indent=1, default=str))
+    v = result.get("validation", {})
+    if v:
+        print(f"block output: {v['block_output_differing_elements']} differing elements "
+              f"(max |diff| {v['block_output_max_abs_diff']})")
+    if "summary" in result:
+        s = result["summary"]
+        print(f"middle block median ms: {s['block_ms_median']}; non-GEMM non-attention ms "
+              f"{s['non_gemm_non_attention_ms']} (x{s['non_gemm_non_attention_speedup']})")
+    if "dram" in result and "error" not in result["dram"]:
+        d = result["dram"]
+        print(f"DRAM bytes, non-GEMM non-attention: comfy {d['comfy']['non_gemm_non_attention_dram_gb']} GB "
+              f"({d['comfy']['non_gemm_non_attention_launches']} launches), fused "
+              f"{d['fused']['non_gemm_non_attention_dram_gb']} GB ({d['fused']['non_gemm_non_attention_launches']} "
+              f"launches); GB10 projection {d['comfy']['gb10_projection_ms_at_232_gbs']} -> "
+              f"{d['fused']['gb10_projection_ms_at_232_gbs']} ms")
+    elif "dram" in result:
+        print(f"DRAM bytes: {result['dram']['error'][:500]}")
+    print(f"JSON: {out}")
+    return 0 if not v or v["block_output_differing_elements"] == 0 else 1

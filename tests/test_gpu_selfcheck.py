@@ -1,0 +1,79 @@
+"""The first-use self-check on the GPU: every kernel probe passes against ComfyUI's ops within its time budget, a
+planted wrong kernel (NVFP4_PLANT_FAULT: bf16 rounding toward zero) fails it and the model falls back for those ops
+with the message, and a cached cubin the driver refuses is rebuilt."""
+
+import logging
+import time
+
+import pytest
+import torch
+
+from conftest import requires_cuda
+from h3_fused_nvfp4.integration import patch, selfcheck, synthetic as syn
+from parity import assert_bit_identical, selfcheck_mode
+from test_h3_block_cpu import TOKENS, linears, run_blocks
+
+pytestmark = [requires_cuda, pytest.mark.usefixtures("comfyui")]
+CUDA = torch.device("cuda", 0)
+
+
+def _ops():
+    from h3_fused_nvfp4.kernels import ops
+
+    return ops
+
+
+def test_kernel_selfcheck_passes_well_under_a_second():
+    ops = _ops()
+    selfcheck.run_kernel_checks(ops, CUDA)  # kernels built and loaded
+    t0 = time.perf_counter()
+    results = selfcheck.run_kernel_checks(ops, CUDA)
+    seconds = time.perf_counter() - t0
+    failed = {n: r.detail for n, r in results.items() if r.ok is False}
+    assert not failed, failed
+    assert results["rms_rope"].ok is True and results["rms_norm"].ok is True
+    if torch.cuda.get_device_capability()[0] >= 10:
+        assert results["linear"].ok is True
+    assert seconds < 1.0, f"the self-check took {seconds:.3f} s once the kernels were built"
+
+
+def test_planted_wrong_kernel_fails_and_the_model_falls_back(monkeypatch, tmp_path, caplog):
+    ops = _ops()
+    monkeypatch.setenv("H3_FUSED_NVFP4_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(ops, "EXTRA_DEFINES", (("NVFP4_PLANT_FAULT", 1),))
+    results = selfcheck.run_kernel_checks(ops, CUDA)
+    failed = {n for n, r in results.items() if r.ok is False}
+    assert {"gated_residual", "rms_norm", "pack_modulate"} <= failed, {n: r.detail for n, r in results.items()}
+    assert "differs at index" in results["gated_residual"].detail
+
+    with selfcheck_mode("force"):
+        blocks = [syn.make_dit_block(syn.H3_SMALL, seed=7 + i, device="cuda") for i in range(2)]
+        inputs = syn.make_block_inputs(syn.H3_SMALL, TOKENS, seed=8, device="cuda")
+        run_blocks(blocks, inputs)
+        stock = run_blocks(blocks, inputs)
+        caplog.set_level(logging.INFO, logger="h3_fused_nvfp4")
+        clone, report = patch.apply_fused(syn.model_patcher_for(syn.BlockHolder(blocks)), "block")
+        assert report.applied and "self-check FAILED" in report.summary(), report.summary()
+        clone.patch_model(load_weights=False)
+        try:
+            run_blocks(blocks, inputs)  # the block check's call
+            result = run_blocks(blocks, inputs)
+        finally:
+            clone.unpatch_model()
+    assert_bit_identical(result, stock, "with the planted kernel's ops on ComfyUI's path")
+    assert any("self-check found it differs" in r.getMessage() for r in caplog.records)
+
+
+def test_cached_cubin_the_driver_refuses_is_rebuilt(monkeypatch, tmp_path):
+    from h3_fused_nvfp4.kernels import runtime
+
+    ops = _ops()
+    monkeypatch.setenv("H3_FUSED_NVFP4_CACHE", str(tmp_path / "cache"))
+    defines = ops.kernel_defines() + (("NVFP4_CACHE_TEST", 1),)  # a key no other test uses
+    arch = runtime.device_arch(0)
+    path = runtime.cubin_cache_path(arch, "nvfp4_pack.cu", defines)
+    garbage = b"\x7fELF not a cubin"
+    runtime.atomic_write(path, garbage + runtime.CUBIN_TRAILER + __import__("hashlib").sha256(garbage).digest())
+    mod = runtime.Module(0, "nvfp4_pack.cu", defines)  # loads, finds the driver refusing it, rebuilds
+    assert mod.function("nvfp4_pack_plain")
+    assert runtime._read_cached(path) != garbage
