@@ -157,6 +157,7 @@ class FusedNVFP4Linear:
         self._static_alpha: dict[tuple, torch.Tensor] = {}
         self.calls_fused = 0
         self.calls_stock = 0
+        self.recorder = None  # integration/calibrate.py: records this layer's input amax while calibrating
 
     def dynamic_scale(self) -> bool:
         """True when ComfyUI computes this layer's activation scale per call (no static ``input_scale``)."""
@@ -205,6 +206,8 @@ class FusedNVFP4Linear:
         rebuild the layer input with ComfyUI's own code when the fused path refuses."""
         if source is not None:
             stock = source.stock
+        if self.recorder is not None:  # calibrating: the amax of the input ComfyUI builds for this layer
+            self.recorder.record(self.name, stock() if stock is not None else x)
         modulation = source.modulation if source is not None else None
         norm = source.norm if source is not None else None
         reason = self.refusal(x, x.shape[-1] // 2 if swiglu else x.shape[-1])

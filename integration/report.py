@@ -397,6 +397,15 @@ def _ncu_child(args) -> int:
     return 0
 
 
+def _unit_scale(unit: str) -> float:
+    """ncu metric units -> bytes or milliseconds (ncu writes e.g. byte, Kbyte, Mbyte, nsecond, usecond or ns)."""
+    u = unit.strip().lower()
+    if "byte" in u or u in ("b", "kb", "mb", "gb"):
+        return {"k": 1e3, "m": 1e6, "g": 1e9}.get(u[0], 1.0) if u[0] in "kmg" else 1.0
+    return {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0, "s": 1e3,
+            "second": 1e3}.get(u, 1.0)
+
+
 def _parse_ncu(text: str) -> list[list[dict]]:
     rows = list(csv.DictReader(io.StringIO(text[text.index('"ID"'):])))
     kernels: dict[str, dict] = {}
@@ -407,10 +416,7 @@ def _parse_ncu(text: str) -> list[list[dict]]:
             kernels[kid] = {"kernel": r["Kernel Name"][:160]}
             order.append(kid)
         value = float(r["Metric Value"].replace(",", "")) if r["Metric Value"] not in ("", "n/a") else 0.0
-        unit = r.get("Metric Unit", "")
-        scale = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1e-6, "usecond": 1e-3,
-                 "msecond": 1.0, "second": 1e3}.get(unit, 1)
-        kernels[kid][r["Metric Name"]] = value * scale
+        kernels[kid][r["Metric Name"]] = value * _unit_scale(r.get("Metric Unit", ""))
     windows: list[list[dict]] = []
     for kid in order:
         k = kernels[kid]
@@ -458,6 +464,8 @@ def dram_bytes(args) -> dict:
             "by_category_gb": {c: round(sum(k["bytes"] for k in kernels if k["category"] == c) / 1e9, 4)
                                for c in sorted({k["category"] for k in kernels})},
             "kernels": [{"kernel": k["kernel"], "category": k["category"], "gb": round(k["bytes"] / 1e9, 4),
+                         "read_gb": round(k.get("dram__bytes_read.sum", 0.0) / 1e9, 4),
+                         "write_gb": round(k.get("dram__bytes_write.sum", 0.0) / 1e9, 4),
                          "ms": round(k["ms"], 4)} for k in kernels],
         }
     return out

@@ -45,8 +45,15 @@ NVFP4_DEVICE u16 f32_to_bf16(float f) {
 #endif
     return r;
 }
+// Two values in one instruction, each rounded exactly as f32_to_bf16 rounds it (hi -> upper half).
 NVFP4_DEVICE u32 pack_bf16x2(float lo, float hi) {
-    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
+    u32 r;
+#if defined(NVFP4_PLANT_FAULT) && NVFP4_PLANT_FAULT
+    asm("cvt.rz.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
 }
 
 // ---- 16-byte global loads/stores -------------------------------------------------------------------------

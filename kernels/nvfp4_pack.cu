@@ -27,8 +27,8 @@
 // logical thread t sums the squares of the 4-element vectors t, t + 128, ... (fma.rn from 0, elements in order);
 // a shfl_down tree 16, 8, 4, 2, 1 of add.rn per warp; S = (W0 + W2) + (W1 + W3); var = div.rn(S, float(K));
 // rstd = rsqrt.approx.f32(add.rn(var, float(eps))) (non-ftz); n = bf16(mul.rn(w, mul.rn(rstd, x))). Here one warp
-// holds a row: lane p holds logical threads 4p .. 4p + 3 (its 16 contiguous elements per 512-column step are their
-// vectors), so the four partial sums and the tree replay torch's exactly.
+// holds a row, each lane four of torch's logical threads (row_norm_body says which), so the four partial sums and
+// the tree replay torch's exactly.
 //
 // Thread mapping of the pack. One warp packs one row at a time. The padded scale matrix has
 // U = roundup(K/16, 4)/4 column groups per row; a group covers 64 input columns and owns 4 contiguous scale bytes
@@ -404,9 +404,10 @@ __device__ __forceinline__ void gated_residual_body(const GatedResidualParams& p
 
 // ---- RMSNorm statistics (optionally after the gated residual), and the next projection's amax ----------------
 
-// One warp per row. Lane p holds the row's columns 512 s + 16 p .. + 15 (s = 0 .. steps-1): the 4-element vectors
-// of torch's logical threads 4p .. 4p+3 (lanes 8w .. 8w+7 form torch's warp w), kept in registers as bf16x2 words
-// because rstd needs the whole row before any normalized value can be formed.
+// One warp per row, 512 columns per step: lane p holds columns 512 s + 8 p .. + 7 and 512 s + 256 + 8 p .. + 7, i.e.
+// the 4-element vectors of torch's logical threads 2p, 2p + 1 (its warp p / 16) and 64 + 2p, 65 + 2p (its warp
+// 2 + p / 16), so every load and store instruction of a warp covers 512 contiguous bytes. The row stays in registers
+// as bf16x2 words: rstd needs the whole row before any normalized value can be formed.
 template <bool Residual, bool Amax>
 __device__ __forceinline__ void row_norm_body(const RowNormParams& p) {
     const u32 lane = threadIdx.x & 31;
@@ -419,52 +420,52 @@ __device__ __forceinline__ void row_norm_body(const RowNormParams& p) {
         u16* xrow = p.x + (i64)row * p.x_row_stride;
         const i64 m = (Residual || Amax) ? (i64)p.mod_index[row] : 0;
         u32 v[ROW_NORM_MAX_STEPS][8];
-        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sums of squares of torch's logical threads 4 lane + j
+        // sums of squares of torch's logical threads 2p, 2p + 1, 64 + 2p, 65 + 2p
+        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int step = 0; step < ROW_NORM_MAX_STEPS; ++step) {
-            const u32 col = 512u * step + 16u * lane;
-            if (col < cols) {
-                u32x4 a = load_16B_coherent(xrow + col), b = load_16B_coherent(xrow + col + 8);
-                u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                if (Residual) {
-                    const u16* orow = p.other + (i64)row * p.other_row_stride + col;
-                    const u16* grow = p.gate + m * p.gate_row_stride + col;
-                    u32x4 oa = load_16B_stream(orow), ob = load_16B_stream(orow + 8);
-                    u32x4 ga = load_16B(grow), gb = load_16B(grow + 8);
-                    const u32 o[8] = {oa.x, oa.y, oa.z, oa.w, ob.x, ob.y, ob.z, ob.w};
-                    const u32 g[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) {  // torch's addcmul_: see gated_add
-                        w[i] = pack_bf16x2(gated_add(bf16_lo(w[i]), bf16_lo(o[i]), bf16_lo(g[i])),
-                                           gated_add(bf16_hi(w[i]), bf16_hi(o[i]), bf16_hi(g[i])));
+            for (int half = 0; half < 2; ++half) {
+                const u32 col = 512u * step + 256u * half + 8u * lane;
+                if (col >= cols) continue;  // cols is a multiple of 16: a chunk is in or out as a whole
+                u32x4 a = load_16B_coherent(xrow + col);
+                u32 w[4] = {a.x, a.y, a.z, a.w};
+                if (Residual) {
+                    u32x4 o = load_16B_stream(p.other + (i64)row * p.other_row_stride + col);
+                    u32x4 g = load_16B(p.gate + m * p.gate_row_stride + col);
+                    const u32 os[4] = {o.x, o.y, o.z, o.w}, gs[4] = {g.x, g.y, g.z, g.w};
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {  // torch's addcmul_: see gated_add
+                        w[i] = pack_bf16x2(gated_add(bf16_lo(w[i]), bf16_lo(os[i]), bf16_lo(gs[i])),
+                                           gated_add(bf16_hi(w[i]), bf16_hi(os[i]), bf16_hi(gs[i])));
                     }
                     store_16B(xrow + col, u32x4{w[0], w[1], w[2], w[3]});
-                    store_16B(xrow + col + 8, u32x4{w[4], w[5], w[6], w[7]});
                 }
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {  // logical thread 4 lane + j: words 2j, 2j + 1, elements in order
+                for (int j = 0; j < 2; ++j) {  // logical thread 2p + j (+ 64 for the second half): 4 elements in order
                     const float e0 = bf16_lo(w[2 * j]), e1 = bf16_hi(w[2 * j]);
                     const float e2 = bf16_lo(w[2 * j + 1]), e3 = bf16_hi(w[2 * j + 1]);
-                    part[j] = __fmaf_rn(e0, e0, part[j]);
-                    part[j] = __fmaf_rn(e1, e1, part[j]);
-                    part[j] = __fmaf_rn(e2, e2, part[j]);
-                    part[j] = __fmaf_rn(e3, e3, part[j]);
+                    float& s = part[2 * half + j];
+                    s = __fmaf_rn(e0, e0, s);
+                    s = __fmaf_rn(e1, e1, s);
+                    s = __fmaf_rn(e2, e2, s);
+                    s = __fmaf_rn(e3, e3, s);
                 }
 #pragma unroll
-                for (int i = 0; i < 8; ++i) v[step][i] = w[i];
+                for (int i = 0; i < 4; ++i) v[step][4 * half + i] = w[i];
             }
         }
-        // torch's warp tree on logical lanes: offsets 16, 8, 4 are shuffles by 4, 2, 1 lanes inside each group of 8;
-        // offsets 2 and 1 add the partials held by one lane.
+        // torch's warp tree on logical lanes 2q + j (q = lane % 16): offsets 16, 8, 4, 2 are shuffles by 8, 4, 2, 1
+        // lanes inside each half-warp; offset 1 adds the two partials a lane holds.
 #pragma unroll
-        for (int off = 4; off > 0; off >>= 1) {
+        for (int off = 8; off > 0; off >>= 1) {
 #pragma unroll
-            for (int j = 0; j < 4; ++j) part[j] = __fadd_rn(part[j], __shfl_down_sync(0xFFFFFFFFu, part[j], off, 8));
+            for (int j = 0; j < 4; ++j) part[j] = __fadd_rn(part[j], __shfl_down_sync(0xFFFFFFFFu, part[j], off, 16));
         }
-        const float warp_sum = __fadd_rn(__fadd_rn(part[0], part[2]), __fadd_rn(part[1], part[3]));
-        // S = (W0 + W2) + (W1 + W3): torch's warps w sit at lanes 8w
-        const float pair = __fadd_rn(warp_sum, __shfl_down_sync(0xFFFFFFFFu, warp_sum, 16));
-        float total = __fadd_rn(pair, __shfl_down_sync(0xFFFFFFFFu, pair, 8));
+        // lane 0 holds torch's warps 0 (first half) and 2 (second half), lane 16 warps 1 and 3:
+        // S = (W0 + W2) + (W1 + W3)
+        const float pair = __fadd_rn(__fadd_rn(part[0], part[1]), __fadd_rn(part[2], part[3]));
+        float total = __fadd_rn(pair, __shfl_down_sync(0xFFFFFFFFu, pair, 16));
         total = __shfl_sync(0xFFFFFFFFu, total, 0);
         float rstd;
         asm("rsqrt.approx.f32 %0, %1;" : "=f"(rstd) : "f"(__fadd_rn(__fdiv_rn(total, n_f), p.eps)));
@@ -472,18 +473,18 @@ __device__ __forceinline__ void row_norm_body(const RowNormParams& p) {
         if (Amax) {
 #pragma unroll
             for (int step = 0; step < ROW_NORM_MAX_STEPS; ++step) {
-                const u32 col = 512u * step + 16u * lane;
-                if (col < cols) {
-                    const u16* srow = p.mod_scale + m * p.mod_row_stride + col;
-                    const u16* trow = p.mod_shift + m * p.mod_row_stride + col;
-                    u32x4 wa = load_16B(p.norm_weight + col), wb = load_16B(p.norm_weight + col + 8);
-                    u32x4 sa = load_16B(srow), sb = load_16B(srow + 8), ta = load_16B(trow), tb = load_16B(trow + 8);
-                    const u32 nw[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
-                    const u32 sc[8] = {sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w};
-                    const u32 sh[8] = {ta.x, ta.y, ta.z, ta.w, tb.x, tb.y, tb.z, tb.w};
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        acc = abs_bits_max_x2(acc, modulate_x2(rms_norm_x2(v[step][i], nw[i], rstd), sc[i], sh[i]));
+                for (int half = 0; half < 2; ++half) {
+                    const u32 col = 512u * step + 256u * half + 8u * lane;
+                    if (col >= cols) continue;
+                    u32x4 nw = load_16B(p.norm_weight + col);
+                    u32x4 sc = load_16B(p.mod_scale + m * p.mod_row_stride + col);
+                    u32x4 sh = load_16B(p.mod_shift + m * p.mod_row_stride + col);
+                    const u32 ws[4] = {nw.x, nw.y, nw.z, nw.w}, ss[4] = {sc.x, sc.y, sc.z, sc.w};
+                    const u32 ts[4] = {sh.x, sh.y, sh.z, sh.w};
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        acc = abs_bits_max_x2(acc, modulate_x2(rms_norm_x2(v[step][4 * half + i], ws[i], rstd), ss[i], ts[i]));
                     }
                 }
             }

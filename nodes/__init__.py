@@ -1,9 +1,11 @@
 """ComfyUI nodes of the H3 Fused NVFP4 pack (V3 API). Thin: each ``execute`` calls integration/patch.py.
 
 Node ids are stable (workflows depend on them):
-    H3FusedNVFP4Loader  load a diffusion model like UNETLoader and patch its H3 blocks
-    H3FusedNVFP4Patch   patch a MODEL from any other loader (e.g. after a LoRA loader)
-    H3FusedNVFP4Toggle  choose the fused path or ComfyUI's own path on a clone (A/B in one graph)
+    H3FusedNVFP4Loader          load a diffusion model like UNETLoader and patch its H3 blocks
+    H3FusedNVFP4Patch           patch a MODEL from any other loader (e.g. after a LoRA loader)
+    H3FusedNVFP4Toggle          choose the fused path or ComfyUI's own path on a clone (A/B in one graph)
+    H3FusedNVFP4Calibrate       a clone that records every NVFP4 layer's activation amax while it samples
+    H3FusedNVFP4SaveCalibrated  write a new checkpoint: the source file + a static input_scale per layer
 """
 
 from __future__ import annotations
@@ -159,7 +161,135 @@ class H3FusedNVFP4Toggle(io.ComfyNode):
         return _output(patched, report.summary())
 
 
-NODES = [H3FusedNVFP4Loader, H3FusedNVFP4Patch, H3FusedNVFP4Toggle]
+class H3FusedNVFP4Calibrate(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="H3FusedNVFP4Calibrate",
+            display_name="Calibrate H3 NVFP4 Scales",
+            category=CATEGORY,
+            description=(
+                "Records, while the model samples, the largest activation every NVFP4 layer of the H3 blocks sees "
+                "(on the GPU, no slowdown from host syncs). Sample with it as usual, then save the scales with "
+                "'Save Calibrated H3 NVFP4': a checkpoint with static input_scale needs fewer passes per layer."
+            ),
+            inputs=[io.Model.Input("model", tooltip="A MiniMax H3 model with NVFP4 layers (fused or not).")],
+            outputs=[io.Model.Output()],
+        )
+
+    @classmethod
+    def execute(cls, model) -> io.NodeOutput:
+        from ..integration import calibrate
+
+        clone, summary = calibrate.apply_calibration(model, allow_reference_backend=REFERENCE_ON_CPU)
+        log.info(summary)
+        return _output(clone, summary)
+
+
+def save_calibrated(model, unet_name: str, filename: str, headroom: float, statistic: str, overwrite: bool,
+                    progress=None) -> tuple[str, str]:
+    """Write models/diffusion_models/<filename>: ``unet_name`` unchanged + the recorded input scales, and the
+    statistics as JSON beside it. Returns (path, summary)."""
+    import json
+
+    import folder_paths
+
+    from ..integration import calibrate, checkpoint
+
+    recorder = calibrate.recorder_of(model)
+    if recorder is None or not recorder.layers:
+        raise ValueError("no calibration data: connect the MODEL that went through 'Calibrate H3 NVFP4 Scales' "
+                         "and a sampler (the sampler must run before this node)")
+    source = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+    stats = recorder.statistics()
+    expected = [name for name in _nvfp4_layer_names(model)]
+    never = [name for name in expected if name not in stats or not stats[name]["calls"]]
+    if never:
+        raise ValueError(f"{len(never)} NVFP4 layers were never called while recording (e.g. {never[0]}); "
+                         "run the whole sampling with the calibrating model first")
+    scales = calibrate.input_scales(stats, headroom, statistic)
+    if not filename.endswith((".safetensors", ".sft")):
+        filename += ".safetensors"
+    folder = os.path.dirname(source)  # the models/diffusion_models folder the source was found in
+    dest = os.path.join(folder, os.path.basename(filename))
+    metadata = {"h3_fused_nvfp4.calibration": json.dumps(
+        {"source": unet_name, "headroom": headroom, "statistic": statistic,
+         "layers": {k: {key: v[key] for key in ("amax", "calls", "p99.9", "p99") if key in v}
+                    for k, v in stats.items()}})}
+    report = checkpoint.save_with_input_scales(source, dest, scales, metadata, progress=progress, overwrite=overwrite)
+    stats_path = dest.rsplit(".", 1)[0] + ".calibration.json"
+    tmp = stats_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"source": unet_name, "headroom": headroom, "statistic": statistic, "layers": stats}, f, indent=1)
+    os.replace(tmp, stats_path)
+    return dest, (f"H3 fused NVFP4: wrote {os.path.basename(dest)} with a static input_scale for {len(scales)} "
+                  f"layers ({statistic} x {headroom}); statistics in {os.path.basename(stats_path)}"
+                  + (f"; {report.get('seconds', 0):.1f} s" if isinstance(report, dict) else ""))
+
+
+def _nvfp4_layer_names(model) -> list[str]:
+    from ..integration import patch
+    from ..integration.linear import is_nvfp4_linear
+
+    names = []
+    for blk in patch.find_h3_blocks(model.get_model_object("diffusion_model")):
+        for path in patch.LINEAR_PATHS:
+            if is_nvfp4_linear(patch._get(blk.module, path)):
+                names.append(f"{blk.prefix}.{path}")
+    return names
+
+
+class H3FusedNVFP4SaveCalibrated(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        import folder_paths
+
+        return io.Schema(
+            node_id="H3FusedNVFP4SaveCalibrated",
+            display_name="Save Calibrated H3 NVFP4",
+            category=CATEGORY,
+            is_output_node=True,
+            description=(
+                "Writes a NEW checkpoint into models/diffusion_models: the source file's tensors unchanged plus an "
+                "fp32 input_scale = amax x headroom / 2688 for every NVFP4 layer the calibrating model recorded, "
+                "and the statistics as JSON beside it. Streams tensor by tensor; nothing is left behind on failure."
+            ),
+            inputs=[
+                io.Model.Input("model", tooltip="The calibrating MODEL, after a sampler ran with it."),
+                io.Latent.Input("samples", optional=True,
+                                tooltip="The sampler's output: connect it so this node runs after the sampling."),
+                io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models"),
+                               tooltip="The checkpoint the model was loaded from (its tensors are copied)."),
+                io.String.Input("filename", default="h3_nvfp4_calibrated.safetensors",
+                                tooltip="New file name in models/diffusion_models."),
+                io.Float.Input("headroom", default=1.0, min=0.5, max=4.0, step=0.05,
+                               tooltip="Multiplies the recorded amax: above 1 leaves room for larger activations "
+                                       "than the calibration run saw (less saturation, coarser steps)."),
+                _input(io.Combo.Input, "statistic", options=["max", "p99.9", "p99"], default="max", advanced=True,
+                       tooltip="max: the largest amax seen. p99.9 / p99: a percentile of the per-call maxima "
+                               "(clips rare outlier calls)."),
+                _input(io.Boolean.Input, "overwrite", default=False, advanced=True,
+                       tooltip="Replace an existing file of that name."),
+            ],
+            outputs=[],
+        )
+
+    @classmethod
+    def execute(cls, model, unet_name, filename, headroom=1.0, statistic="max", overwrite=False,
+                samples=None) -> io.NodeOutput:
+        import comfy.utils
+
+        bar = comfy.utils.ProgressBar(1000)
+
+        def progress(done, total, name):
+            bar.update_absolute(int(1000 * done / max(total, 1)), 1000)
+
+        _, summary = save_calibrated(model, unet_name, filename, headroom, statistic, overwrite, progress)
+        log.info(summary)
+        return io.NodeOutput(ui=ui.PreviewText(summary))
+
+
+NODES = [H3FusedNVFP4Loader, H3FusedNVFP4Patch, H3FusedNVFP4Toggle, H3FusedNVFP4Calibrate, H3FusedNVFP4SaveCalibrated]
 
 
 class H3FusedNVFP4Extension(ComfyExtension):

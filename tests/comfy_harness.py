@@ -269,7 +269,7 @@ def _register_harness_nodes(handles: ComfyUI) -> None:
             return io.Schema(node_id=HARNESS_FORWARD_NODE_ID, display_name="Harness H3 Forward (tests)",
                              category="testing", is_output_node=True,
                              inputs=[io.Model.Input("model"), io.String.Input("tag"), io.Int.Input("seed", default=0)],
-                             outputs=[])
+                             outputs=[io.Latent.Output()])
 
         @classmethod
         def fingerprint_inputs(cls, **kwargs):
@@ -288,7 +288,7 @@ def _register_harness_nodes(handles: ComfyUI) -> None:
                 out = dm([t.to(device) for t in x], timestep.to(device), context.to(device),
                          transformer_options=options, minimax_payload=payload)
             FORWARD_RESULTS[tag] = [o.cpu() for o in out]
-            return io.NodeOutput()
+            return io.NodeOutput({"samples": FORWARD_RESULTS[tag][0]})
 
     for node in (ModelSource, Forward):
         handles.nodes.NODE_CLASS_MAPPINGS[node.GET_SCHEMA().node_id if hasattr(node, "GET_SCHEMA") else

@@ -113,3 +113,44 @@ def test_cuda_graph_capture_and_replay():
         replayed = h.clone()
     stock = _warm_stock(blocks, (new_x, t_emb, segments, rope))
     assert_bit_identical(replayed, stock, f"CUDA graph replay, seed {seed}")
+
+
+def test_no_host_sync_in_the_fused_blocks():
+    """After the first call (kernels built, buffers made), a fused forward never waits for the GPU."""
+    seed = fresh_seed()
+    blocks = _blocks(seed, n=2)
+    inputs = _inputs(seed + 4)
+    with fused(blocks):
+        run_blocks(blocks, inputs)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run_blocks(blocks, inputs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def test_calibration_records_the_same_amax_on_both_paths():
+    """The recorder of a fused layer (the amax of the input ComfyUI would build) equals the one of the stock layer."""
+    from h3_fused_nvfp4.integration import calibrate
+    from h3_fused_nvfp4.integration.calibrate import RecordingForward
+
+    seed = fresh_seed()
+    blocks = _blocks(seed, n=2)
+    inputs = _inputs(seed + 5)
+    stock_rec, fused_rec = calibrate.CalibrationRecorder(), calibrate.CalibrationRecorder()
+    layers = [(f"blocks.{i}.{path}", b.get_submodule(path)) for i, b in enumerate(blocks) for path in syn.QUANTIZED_LINEARS]
+    for name, layer in layers:
+        layer.forward = RecordingForward(layer, name, stock_rec)
+    try:
+        run_blocks(blocks, inputs)
+    finally:
+        for _, layer in layers:
+            del layer.__dict__["forward"]
+    with fused(blocks) as patches:
+        for v in linears(patches):
+            v.recorder = fused_rec
+        run_blocks(blocks, inputs)
+    a, b = stock_rec.statistics(), fused_rec.statistics()
+    assert set(a) == set(b) == {name for name, _ in layers}
+    assert all(a[n]["amax"] == b[n]["amax"] > 0 and a[n]["calls"] == b[n]["calls"] == 1 for n in a), (a, b)

@@ -293,5 +293,6 @@ def test_unsupported_norm_inputs_are_refused_with_a_reason():
     assert "float32" in ops.rms_norm_support(x, torch.ones(5376, device="cuda"))
     assert "multiple of 16" in ops.rms_norm_support(random_activation(8, 5640), torch.ones(5640, device="cuda",
                                                                                                dtype=torch.bfloat16))
-    wide = random_activation(8, 5376 + 8)
-    assert "aligned" in ops.rms_norm_support(wide[:, 4:], torch.ones(5376, device="cuda", dtype=torch.bfloat16))
+    wide = random_activation(8, 5376 + 16)
+    assert "aligned" in ops.rms_norm_support(wide[:, 4:4 + 5376], torch.ones(5376, device="cuda",
+                                                                              dtype=torch.bfloat16))

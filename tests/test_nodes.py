@@ -24,7 +24,8 @@ from h3_fused_nvfp4.integration import patch as patch_mod, synthetic as syn
 from parity import assert_bit_identical, selfcheck_mode
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-NODE_IDS = ["H3FusedNVFP4Loader", "H3FusedNVFP4Patch", "H3FusedNVFP4Toggle"]
+NODE_IDS = ["H3FusedNVFP4Loader", "H3FusedNVFP4Patch", "H3FusedNVFP4Toggle", "H3FusedNVFP4Calibrate",
+            "H3FusedNVFP4SaveCalibrated"]
 LOGGER = "h3_fused_nvfp4"
 ENV_VAR = "H3_FUSED_NVFP4_REFERENCE_ON_CPU"
 NUM_LAYERS, REFINER_LAYERS = 2, 2

@@ -41,7 +41,8 @@ PYPROJECT_PATH = REPO_ROOT / "pyproject.toml"
 REQUIREMENTS_PATH = REPO_ROOT / "requirements.txt"
 WORKFLOWS = REPO_ROOT / "workflows"
 
-NODE_IDS = {"H3FusedNVFP4Loader", "H3FusedNVFP4Patch", "H3FusedNVFP4Toggle"}
+NODE_IDS = {"H3FusedNVFP4Loader", "H3FusedNVFP4Patch", "H3FusedNVFP4Toggle", "H3FusedNVFP4Calibrate",
+            "H3FusedNVFP4SaveCalibrated"}
 FOLDER_NAME = "h3-fused-nvfp4"  # what a registry install names the folder: the node id
 
 # comfy-kitchen as pinned by ComfyUI's requirements.txt when this was written; our lower bound must admit it, or
