@@ -20,11 +20,13 @@ How ComfyUI reads the layers, which this module follows by calling ComfyUI rathe
   has a ``scaled_fp8`` marker key (``comfy.utils.convert_old_quants``); untagged weights are unquantized;
 * ``comfy.sd.load_diffusion_model`` strips the prefix ``comfy.model_detection.unet_prefix_from_state_dict`` names
   (e.g. ``model.diffusion_model.``) and detects H3 by ``video_patch_proj.weight`` + ``audio_patch_proj.weight``;
-* an fp8_scaled weight is ``QuantizedTensor(weight_fp8, layout, Params(scale=weight_scale, ...)).dequantize()``
-  (``comfy.ops._load_quantized_module``), i.e. comfy-kitchen's ``fp8 -> dtype, * weight_scale``. The converter asks
-  it for fp32 and rounds that to bf16 once: the bf16 weight of a GPU ComfyUI (its kernel multiplies in fp32 and
-  rounds once), and of a CPU ComfyUI (which runs H3 in fp32), on any conversion device. Asking comfy-kitchen's
-  CPU backend for bf16 directly would round the scale to bf16 first and give a different weight.
+* an fp8_scaled weight computes as ``QuantizedTensor(weight_fp8, layout, Params(scale=weight_scale,
+  orig_dtype=compute dtype)).dequantize()`` (``comfy.ops._load_quantized_module``; comfy-kitchen's
+  ``dequantize_per_tensor_fp8``). The converter runs exactly that with H3's compute dtype bf16 on the conversion
+  device, so it quantizes the bf16 weight ComfyUI computes on that device. The arithmetic is the device's:
+  comfy-kitchen's CUDA kernel rounds an fp32 product to bf16, its CPU backend multiplies in bf16 (the scale rounded
+  to bf16 first), so an fp8 source converted on the CPU differs in the last bit of some weights from one converted
+  on CUDA; convert fp8 sources on CUDA to quantize the weight of a GPU ComfyUI.
 
 ComfyUI must be importable: inside ComfyUI it is; standalone call ``comfy_env.import_comfyui()`` first.
 """
@@ -62,11 +64,11 @@ _PLAIN_WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2")  # Co
 
 _ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "C64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
              "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
-_DTYPE_NAMES = {torch.float64: "F64", torch.int64: "I64", torch.uint64: "U64", torch.complex64: "C64",
-                torch.float32: "F32", torch.int32: "I32", torch.uint32: "U32", torch.float16: "F16",
-                torch.bfloat16: "BF16", torch.int16: "I16", torch.uint16: "U16", torch.int8: "I8", torch.uint8: "U8",
-                torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-                torch.float8_e8m0fnu: "F8_E8M0"}
+_DTYPE_NAMES = {getattr(torch, attr): name for attr, name in (
+    ("float64", "F64"), ("int64", "I64"), ("uint64", "U64"), ("complex64", "C64"), ("float32", "F32"),
+    ("int32", "I32"), ("uint32", "U32"), ("float16", "F16"), ("bfloat16", "BF16"), ("int16", "I16"),
+    ("uint16", "U16"), ("int8", "I8"), ("uint8", "U8"), ("bool", "BOOL"), ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"), ("float8_e8m0fnu", "F8_E8M0")) if hasattr(torch, attr)}  # older torch lacks some
 
 
 class CheckpointRefused(ValueError):
@@ -448,10 +450,10 @@ class _NVFP4Layer:
         algo = QUANT_ALGOS[self.format]
         layout = algo["comfy_tensor_layout"]
         scale = self.handle.get_tensor(_fp8_scale_key(self.info, self.layer)).to(self.device)
-        params = get_layout_class(layout).Params(scale=scale, orig_dtype=torch.float32,
+        params = get_layout_class(layout).Params(scale=scale, orig_dtype=torch.bfloat16,
                                                  orig_shape=tuple(weight.shape))
         quantized = QuantizedTensor(weight.to(device=self.device, dtype=algo["storage_t"]), layout, params)
-        return quantized.dequantize().to(torch.bfloat16)  # fp32 product rounded once (module docstring)
+        return quantized.dequantize()  # the device's arithmetic (module docstring)
 
 
 def _fp8_scale_key(info: CheckpointInfo, layer: str) -> str:

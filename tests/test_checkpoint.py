@@ -1,0 +1,417 @@
+"""integration/checkpoint.py and scripts/convert_h3_nvfp4.py against the real ComfyUI (CPU): conversion of tiny
+bf16 and fp8_scaled MiniMax H3 checkpoints to NVFP4, static input scales, and every refusal leaving no file."""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import comfy_harness as ch
+from h3_fused_nvfp4.integration import checkpoint, synthetic
+from h3_fused_nvfp4.layout import GLOBAL_SCALE_DIVISOR
+
+pytestmark = ch.requires_comfyui
+
+PREFIXED = "model.diffusion_model."
+PROJECTIONS = synthetic.QUANTIZED_LINEARS
+BLOCK_LAYERS = [f"blocks.{i}.{p}" for i in range(2) for p in PROJECTIONS]
+REFINER_LAYERS = [f"token_refiner.blocks.{i}.{p}" for i in range(2) for p in PROJECTIONS]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+# ---- source checkpoints ------------------------------------------------------------------------------------
+
+def bf16_state_dict(prefix: str = "", seed: int = 0) -> dict:
+    """A tiny complete H3 checkpoint with bf16 Linears: synthetic.model_state_dict with its NVFP4 projections
+    swapped for bf16 weights of the same shape."""
+    sd = synthetic.model_state_dict(synthetic.H3_SMALL, num_layers=2, refiner_layers=2, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for layer in BLOCK_LAYERS + REFINER_LAYERS:
+        rows, half = sd.pop(f"{layer}.weight").shape
+        for suffix in ("weight_scale", "weight_scale_2", "comfy_quant"):
+            del sd[f"{layer}.{suffix}"]
+        sd[f"{layer}.weight"] = (torch.randn((rows, 2 * half), generator=gen) * (2 * half) ** -0.5).to(torch.bfloat16)
+    return {prefix + k: v for k, v in sd.items()}
+
+
+def fp8_scaled_state_dict(style: str, prefix: str = "") -> tuple[dict, dict]:
+    """(tensors, metadata) of an fp8_scaled H3 checkpoint as ComfyUI stores one, every projection quantized by
+    ComfyUI's ``TensorCoreFP8E4M3Layout``. ``style``: ``comfy_quant`` tags, ``quantization_metadata`` (the
+    layers listed in the file's metadata) or ``scaled_fp8`` (the older marker + ``scale_weight``/``scale_input``)."""
+    from comfy.quant_ops import QuantizedTensor
+
+    sd = bf16_state_dict(seed=1)
+    layers = {}
+    for layer in BLOCK_LAYERS + REFINER_LAYERS:
+        qt = QuantizedTensor.from_float(sd[f"{layer}.weight"], "TensorCoreFP8E4M3Layout", scale="recalculate")
+        sd[f"{layer}.weight"] = qt._qdata
+        scale = qt._params.scale.reshape(()).to(torch.float32)
+        if style == "scaled_fp8":
+            sd[f"{layer}.scale_weight"] = scale
+            sd[f"{layer}.scale_input"] = torch.tensor(0.02, dtype=torch.float32)
+        else:
+            sd[f"{layer}.weight_scale"] = scale
+            sd[f"{layer}.input_scale"] = torch.tensor(0.02, dtype=torch.float32)
+            layers[layer] = {"format": "float8_e4m3fn"}
+            if style == "comfy_quant":
+                sd[f"{layer}.comfy_quant"] = tag("float8_e4m3fn")
+    metadata = {"origin": "fp8 test file"}
+    if style == "scaled_fp8":
+        sd["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    elif style == "quantization_metadata":
+        metadata[checkpoint.QUANT_METADATA_KEY] = json.dumps({"format_version": "1.0", "layers": layers})
+    return {prefix + k: v for k, v in sd.items()}, metadata
+
+
+def nvfp4_state_dict(prefix: str = "") -> dict:
+    sd = synthetic.model_state_dict(synthetic.H3_SMALL, num_layers=2, refiner_layers=2, seed=2,
+                                    static_layers=("mlp.fc2",))
+    return {prefix + k: v for k, v in sd.items()}
+
+
+def tag(fmt: str, **extra) -> torch.Tensor:
+    return torch.tensor(list(json.dumps({"format": fmt, **extra}).encode()), dtype=torch.uint8)
+
+
+def write(path, sd, metadata=None):
+    save_file(sd, str(path), metadata=metadata)
+    return str(path)
+
+
+# ---- reading results ---------------------------------------------------------------------------------------
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def read_all(path) -> tuple[dict, dict]:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+
+
+def assert_aligned(path):
+    """Every tensor starts at a multiple of its element size (ComfyUI's mmap loader views the bytes in place)."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        assert f.tell() % 8 == 0
+    for name, entry in header.items():
+        if name != "__metadata__":
+            itemsize = checkpoint._ITEMSIZE[entry["dtype"]]
+            assert entry["data_offsets"][0] % itemsize == 0, name
+
+
+def load_in_comfyui(path):
+    import comfy.sd
+
+    patcher = comfy.sd.load_diffusion_model(str(path))
+    assert patcher.model.model_config.unet_config["image_model"] == "minimax_h3"
+    return patcher.model.diffusion_model
+
+
+def module(dm, layer: str):
+    return dm.get_submodule(layer)
+
+
+def comfy_bf16_weight(dm, layer: str) -> torch.Tensor:
+    """The bf16 weight ComfyUI computes with for ``layer`` of a model loaded under ``force_nvfp4_compute`` (bf16
+    compute dtype: an fp8 weight dequantizes to bf16 on the CPU)."""
+    from comfy.quant_ops import QuantizedTensor
+
+    weight = module(dm, layer).weight
+    weight = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
+    assert weight.dtype == torch.bfloat16
+    return weight.detach()
+
+
+def assert_converted(src_path, out_path, report, prefix: str, converted: list[str], kept_fp8: list[str]):
+    import comfy.utils
+    from comfy.quant_ops import QuantizedTensor
+
+    src, _ = read_all(src_path)
+    out, _ = read_all(out_path)
+    loaded, _ = comfy.utils.load_torch_file(str(out_path), return_metadata=True)
+    assert loaded.keys() == out.keys()
+    assert_aligned(out_path)
+    assert sorted(report["converted"]) == sorted(converted)
+
+    source_model = load_in_comfyui(src_path)
+    result_model = load_in_comfyui(out_path)
+    new_keys = set()
+    for layer in converted:
+        expected = QuantizedTensor.from_float(comfy_bf16_weight(source_model, layer), synthetic.NVFP4_LAYOUT)
+        key = prefix + layer
+        assert torch.equal(raw(out[f"{key}.weight"]), raw(expected._qdata)), layer
+        assert torch.equal(raw(out[f"{key}.weight_scale"]), raw(expected._params.block_scale)), layer
+        assert out[f"{key}.weight_scale_2"].dtype == torch.float32 and out[f"{key}.weight_scale_2"].shape == ()
+        assert torch.equal(out[f"{key}.weight_scale_2"], expected._params.scale.reshape(()).float()), layer
+        assert json.loads(out[f"{key}.comfy_quant"].numpy().tobytes()) == {"format": "nvfp4"}
+        linear = module(result_model, layer)
+        assert linear.quant_format == "nvfp4" and isinstance(linear.weight, QuantizedTensor)
+        assert torch.equal(linear.weight._qdata, expected._qdata)
+        new_keys |= {f"{key}.{s}" for s in ("weight", "weight_scale", "weight_scale_2", "comfy_quant")}
+        new_keys |= {f"{key}.input_scale"} & out.keys()
+    for layer in kept_fp8:
+        assert module(result_model, layer).quant_format == "float8_e4m3fn", layer
+    dropped = set(report["dropped"])
+    assert out.keys() == (src.keys() - dropped) | new_keys
+    for key in src.keys() - dropped - new_keys:  # untouched: same dtype, shape and bytes
+        assert out[key].dtype == src[key].dtype and out[key].shape == src[key].shape, key
+        assert torch.equal(raw(out[key]), raw(src[key])), key
+    return out
+
+
+# ---- conversion round trips --------------------------------------------------------------------------------
+
+def test_bf16_checkpoint_converts_to_comfyui_nvfp4(tmp_path, force_nvfp4_compute, clean_models):
+    src = write(tmp_path / "h3_bf16.safetensors", bf16_state_dict(), {"origin": "bf16 test file"})
+    calls = []
+    report = checkpoint.convert_to_nvfp4(src, tmp_path / "h3_nvfp4.safetensors",
+                                         progress=lambda *args: calls.append(args))
+    assert report["source_formats"] == {"unquantized BF16": len(BLOCK_LAYERS)}
+    out = assert_converted(src, tmp_path / "h3_nvfp4.safetensors", report, "", BLOCK_LAYERS, [])
+    assert all(out[f"{layer}.weight"].dtype == torch.bfloat16 for layer in REFINER_LAYERS)
+
+    assert len(calls) == report["tensors"]
+    done = [c[0] for c in calls]
+    assert done == sorted(done) and calls[-1][0] == calls[-1][1] == sum(raw(t).numel() for t in out.values())
+    assert read_all(tmp_path / "h3_nvfp4.safetensors")[1] == {"origin": "bf16 test file"}
+    assert sorted(os.listdir(tmp_path)) == ["h3_bf16.safetensors", "h3_nvfp4.safetensors"]
+
+
+@pytest.mark.parametrize("style, prefix, layers", [
+    ("comfy_quant", "", checkpoint.DEFAULT_LAYERS),
+    ("quantization_metadata", PREFIXED, checkpoint.DEFAULT_LAYERS),
+    ("scaled_fp8", "", checkpoint.DEFAULT_LAYERS),
+    ("scaled_fp8", PREFIXED, list(PROJECTIONS)),  # every fp8 layer: the marker goes too
+])
+def test_fp8_scaled_checkpoint_converts_to_comfyui_nvfp4(tmp_path, force_nvfp4_compute, clean_models, style, prefix,
+                                                        layers):
+    sd, metadata = fp8_scaled_state_dict(style, prefix)
+    src = write(tmp_path / "h3_fp8.safetensors", sd, metadata)
+    dest = tmp_path / "h3_nvfp4.safetensors"
+    scales = {"blocks.1.mlp.fc1": 3.0 / GLOBAL_SCALE_DIVISOR}
+    report = checkpoint.convert_to_nvfp4(src, dest, layers=layers, input_scales=scales)
+    converted = BLOCK_LAYERS if layers == checkpoint.DEFAULT_LAYERS else sorted(BLOCK_LAYERS + REFINER_LAYERS)
+    kept = [layer for layer in REFINER_LAYERS if layer not in converted]
+    out = assert_converted(src, dest, report, prefix, converted, kept)
+
+    assert report["source_formats"] == {"float8_e4m3fn": len(converted)}
+    assert report["input_scales"] == scales
+    for layer in converted:  # the fp8 activation scale does not carry over to NVFP4
+        expected = torch.tensor(scales[layer], dtype=torch.float32) if layer in scales else None
+        got = out.get(f"{prefix}{layer}.input_scale")
+        assert (got is None) if expected is None else torch.equal(got, expected), layer
+    assert (f"{prefix}scaled_fp8" in out) == (style == "scaled_fp8" and bool(kept))
+    out_meta = read_all(dest)[1]
+    assert out_meta["origin"] == "fp8 test file"
+    if style == "quantization_metadata":
+        listed = json.loads(out_meta[checkpoint.QUANT_METADATA_KEY])["layers"]
+        assert {k: v["format"] for k, v in listed.items()} == {
+            layer: "nvfp4" if layer in converted else "float8_e4m3fn" for layer in BLOCK_LAYERS + REFINER_LAYERS}
+
+
+# ---- static input scales -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prefix", ["", PREFIXED])
+def test_input_scales_land_as_the_layers_input_scale(tmp_path, force_nvfp4_compute, clean_models, prefix):
+    src = write(tmp_path / "h3_nvfp4.safetensors", nvfp4_state_dict(prefix), {"origin": "community NVFP4"})
+    dest = tmp_path / "h3_nvfp4_static.safetensors"
+    scales = {"blocks.0.attn.qkv_proj": 12.5 / GLOBAL_SCALE_DIVISOR,
+              f"{prefix}blocks.1.mlp.fc2": 0.5 / GLOBAL_SCALE_DIVISOR,  # replaces the file's own
+              "token_refiner.blocks.0.mlp.fc1": 0.01}
+    report = checkpoint.save_with_input_scales(src, dest, scales, {"calibration": "{\"prompts\": 4}"})
+    assert report["replaced"] == ["blocks.1.mlp.fc2"]
+
+    src_sd, _ = read_all(src)
+    out, meta = read_all(dest)
+    assert meta == {"origin": "community NVFP4", "calibration": "{\"prompts\": 4}"}
+    expected = {f"{prefix}{name.removeprefix(prefix)}.input_scale": torch.tensor(value, dtype=torch.float32)
+                for name, value in scales.items()}
+    assert out.keys() == src_sd.keys() | expected.keys()
+    for key, value in expected.items():
+        assert out[key].dtype == torch.float32 and out[key].shape == () and torch.equal(out[key], value), key
+    for key in src_sd.keys() - expected.keys():
+        assert torch.equal(raw(out[key]), raw(src_sd[key])), key
+
+    dm = load_in_comfyui(dest)
+    for key, value in expected.items():
+        layer = key[len(prefix):-len(".input_scale")]
+        assert torch.equal(module(dm, layer).input_scale.detach(), value), layer
+    assert torch.equal(module(dm, "blocks.0.mlp.fc2").input_scale.detach(),
+                       torch.tensor(synthetic.STATIC_INPUT_SCALE["mlp.fc2"], dtype=torch.float32))
+
+
+def test_overwrite_replaces_the_destination(tmp_path):
+    src = write(tmp_path / "h3_nvfp4.safetensors", nvfp4_state_dict())
+    dest = tmp_path / "out.safetensors"
+    dest.write_bytes(b"old")
+    checkpoint.save_with_input_scales(src, dest, {"blocks.0.mlp.fc1": 0.01}, {}, overwrite=True)
+    assert torch.equal(read_all(dest)[0]["blocks.0.mlp.fc1.input_scale"], torch.tensor(0.01))
+    assert sorted(os.listdir(tmp_path)) == ["h3_nvfp4.safetensors", "out.safetensors"]
+
+
+# ---- refusals ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, comfyui):
+    folder = tmp_path_factory.mktemp("sources")
+    convrot = bf16_state_dict()
+    for layer in BLOCK_LAYERS:
+        convrot[f"{layer}.weight"] = torch.zeros(convrot[f"{layer}.weight"].shape, dtype=torch.int8)
+        convrot[f"{layer}.weight_scale"] = torch.ones(convrot[f"{layer}.weight"].shape[0], dtype=torch.float32)
+        convrot[f"{layer}.comfy_quant"] = tag("int8_tensorwise", convrot=True)
+    return {
+        "bf16": write(folder / "bf16.safetensors", bf16_state_dict()),
+        "nvfp4": write(folder / "nvfp4.safetensors", nvfp4_state_dict()),
+        "convrot": write(folder / "convrot.safetensors", convrot),
+        "not_h3": write(folder / "flux.safetensors", {"double_blocks.0.img_attn.qkv.weight": torch.zeros(48, 16)}),
+    }
+
+
+def _fail_on_third_write(monkeypatch):
+    real = checkpoint._write_bytes
+    calls = []
+
+    def write_bytes(handle, data):
+        calls.append(len(data))
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(handle, data)
+
+    monkeypatch.setattr(checkpoint, "_write_bytes", write_bytes)
+
+
+def _no_free_space(monkeypatch):
+    usage = shutil.disk_usage("/")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=4096))
+
+
+REFUSALS = {
+    "target exists": (None, lambda s, d: checkpoint.convert_to_nvfp4(s["bf16"], d / "existing.safetensors"),
+                      checkpoint.CheckpointRefused, "already exists"),
+    "not an H3 checkpoint": (None, lambda s, d: checkpoint.convert_to_nvfp4(s["not_h3"], d / "x.safetensors"),
+                             checkpoint.CheckpointRefused, "not a MiniMax H3"),
+    "scale for a bf16 layer": (None, lambda s, d: checkpoint.save_with_input_scales(
+        s["bf16"], d / "x.safetensors", {"blocks.0.attn.qkv_proj": 0.01}, {}),
+        checkpoint.CheckpointRefused, "not NVFP4 in the result"),
+    "scale for a layer left bf16": (None, lambda s, d: checkpoint.convert_to_nvfp4(
+        s["bf16"], d / "x.safetensors", input_scales={"token_refiner.blocks.0.mlp.fc1": 0.01}),
+        checkpoint.CheckpointRefused, "not NVFP4 in the result"),
+    "scale for an unknown layer": (None, lambda s, d: checkpoint.save_with_input_scales(
+        s["nvfp4"], d / "x.safetensors", {"blocks.7.attn.qkv_proj": 0.01}, {}),
+        checkpoint.CheckpointRefused, "no such Linear layer"),
+    "scale not positive": (None, lambda s, d: checkpoint.save_with_input_scales(
+        s["nvfp4"], d / "x.safetensors", {"blocks.0.attn.qkv_proj": math.nan}, {}),
+        checkpoint.CheckpointRefused, "positive finite"),
+    "selected layer missing": (None, lambda s, d: checkpoint.convert_to_nvfp4(
+        s["bf16"], d / "x.safetensors", layers=["blocks.0.mlp.fc1", "blocks.9.mlp.fc1"]),
+        checkpoint.CheckpointRefused, "'blocks.9.mlp.fc1' is not a Linear layer"),
+    "pattern matches nothing": (None, lambda s, d: checkpoint.convert_to_nvfp4(
+        s["bf16"], d / "x.safetensors", layers=r"single_blocks\.\d+\.linear1"),
+        checkpoint.CheckpointRefused, "no Linear layer"),
+    "int8 convrot source": (None, lambda s, d: checkpoint.convert_to_nvfp4(s["convrot"], d / "x.safetensors"),
+                            checkpoint.CheckpointRefused, "stored as int8_tensorwise.*not supported"),
+    "already NVFP4": (None, lambda s, d: checkpoint.convert_to_nvfp4(s["nvfp4"], d / "x.safetensors"),
+                      checkpoint.CheckpointRefused, "already NVFP4"),
+    "disk full mid-file": (_fail_on_third_write, lambda s, d: checkpoint.convert_to_nvfp4(
+        s["bf16"], d / "x.safetensors"), OSError, "No space left"),
+    "disk full adding scales": (_fail_on_third_write, lambda s, d: checkpoint.save_with_input_scales(
+        s["nvfp4"], d / "x.safetensors", {"blocks.0.mlp.fc1": 0.01}, {}), OSError, "No space left"),
+    "not enough free space": (_no_free_space, lambda s, d: checkpoint.convert_to_nvfp4(s["bf16"], d / "x.safetensors"),
+                              checkpoint.CheckpointRefused, "not enough free disk space"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_refusals_leave_no_file(tmp_path, sources, monkeypatch, case):
+    setup, call, error, message = REFUSALS[case]
+    (tmp_path / "existing.safetensors").write_bytes(b"keep me")
+    if setup is not None:
+        setup(monkeypatch)
+    with pytest.raises(error, match=message):
+        call(sources, tmp_path)
+    assert os.listdir(tmp_path) == ["existing.safetensors"]
+    assert (tmp_path / "existing.safetensors").read_bytes() == b"keep me"
+
+
+# ---- the command line --------------------------------------------------------------------------------------
+
+def run_script(*args):
+    env = dict(os.environ, COMFYUI_PATH=str(ch.comfy().root), H3_FUSED_NVFP4_SELFCHECK="skip")
+    return subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "convert_h3_nvfp4.py"), *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_script_converts_with_calibrated_scales(tmp_path, sources):
+    calibration = tmp_path / "calib.json"
+    calibration.write_text(json.dumps({"layers": {"blocks.0.attn.qkv_proj": {"amax": 12.5, "samples": 3},
+                                                  "blocks.1.mlp.fc2": {"amax": 3.0}}}))
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    dest = out_dir / "h3_nvfp4.safetensors"
+    done = run_script(sources["bf16"], dest, "--device", "cpu", "--calibration", calibration, "--headroom", "1.25")
+    assert done.returncode == 0, done.stderr
+    assert "8 layers -> NVFP4" in done.stdout and "2 input scales" in done.stdout
+    assert "100%" in done.stderr
+    out, metadata = read_all(dest)
+    assert json.loads(metadata["h3_fused_nvfp4.input_scales"]) == {"calibration": "calib.json", "headroom": 1.25}
+    assert torch.equal(out["blocks.0.attn.qkv_proj.input_scale"],
+                       torch.tensor(12.5 * 1.25 / GLOBAL_SCALE_DIVISOR, dtype=torch.float32))
+    assert torch.equal(out["blocks.1.mlp.fc2.input_scale"],
+                       torch.tensor(3.0 * 1.25 / GLOBAL_SCALE_DIVISOR, dtype=torch.float32))
+    assert json.loads(out["blocks.1.attn.out_proj.comfy_quant"].numpy().tobytes()) == {"format": "nvfp4"}
+
+    assert os.listdir(out_dir) == ["h3_nvfp4.safetensors"]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("convert_h3_nvfp4", REPO_ROOT / "scripts" / "convert_h3_nvfp4.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_script_adds_calibrated_scales_to_an_nvfp4_checkpoint(tmp_path, sources, capsys):
+    calibration = tmp_path / "calib.json"
+    calibration.write_text(json.dumps({"layers": {"blocks.1.attn.out_proj": {"amax": 2.0}}}))
+    dest = tmp_path / "static.safetensors"
+    assert load_script().main([sources["nvfp4"], str(dest), "--calibration", str(calibration)]) == 0
+    assert "NVFP4 source kept, 1 input scales" in capsys.readouterr().out
+    assert torch.equal(read_all(dest)[0]["blocks.1.attn.out_proj.input_scale"],
+                       torch.tensor(2.0 / GLOBAL_SCALE_DIVISOR, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("case, calibration, message", [
+    ("target exists", None, "already exists"),
+    ("nvfp4 source, no calibration", None, "give --calibration"),
+    ("amax missing", {"layers": {"blocks.0.mlp.fc1": {"max": 1.0}}}, "blocks.0.mlp.fc1 has no positive amax"),
+    ("not a calibration file", [1, 2], "cannot read its 'layers'"),
+    ("layer left bf16", {"layers": {"token_refiner.blocks.0.mlp.fc1": {"amax": 1.0}}}, "not NVFP4 in the result"),
+])
+def test_script_refuses_in_one_line(tmp_path, sources, capsys, case, calibration, message):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "existing.safetensors").write_bytes(b"keep me")
+    source = sources["nvfp4"] if case.startswith("nvfp4") else sources["bf16"]
+    dest = out_dir / ("existing.safetensors" if case == "target exists" else "new.safetensors")
+    argv = [source, str(dest), "--device", "cpu"]
+    if calibration is not None:
+        (tmp_path / "calib.json").write_text(json.dumps(calibration))
+        argv += ["--calibration", str(tmp_path / "calib.json")]
+    assert load_script().main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert os.listdir(out_dir) == ["existing.safetensors"]
