@@ -39,8 +39,11 @@ log = logging.getLogger("h3_fused_nvfp4")
 SELFCHECK_ENV = "H3_FUSED_NVFP4_SELFCHECK"
 REPORT_COMMAND = "python <ComfyUI>/custom_nodes/<this pack>/report.py"
 # Op names: what a failure turns off (integration code asks op_refusal(device, op) before using a kernel).
-KERNEL_OPS = ("pack", "pack_modulate", "pack_norm", "pack_swiglu", "gated_residual", "rms_norm", "rms_rope",
-              "linear")
+KERNEL_OPS = ("global_scale", "pack", "pack_modulate", "pack_norm", "pack_swiglu", "gated_residual", "rms_norm",
+              "rms_rope", "linear")
+# Ops that compute ComfyUI's dynamic global scale with the shared reduction: off too when "global_scale" fails
+# (a random probe can round its one scale the right way by luck; the global_scale probe cannot).
+USES_GLOBAL_SCALE = ("pack", "pack_modulate", "pack_norm", "pack_swiglu", "rms_norm")
 NVFP4_LAYOUT = "TensorCoreNVFP4Layout"
 
 
@@ -311,6 +314,35 @@ class NotApplicable(Exception):
     pass
 
 
+def scale_rounding_amaxes(count: int = 12) -> list[float]:
+    """bf16 amax values whose ComfyUI scale ``amax * fp32(1/2688)`` rounds to bf16 upward (half of them) and
+    downward: any change of that rounding changes the scale of one of them."""
+    inv = torch.tensor(1.0 / 2688.0, dtype=torch.float32)
+    up, down = [], []
+    bits = 0x3F80  # bf16 1.0, then every following bf16 value
+    while len(up) < count // 2 or len(down) < count // 2:
+        bits += 1
+        value = torch.tensor([bits], dtype=torch.int16).view(torch.bfloat16)
+        low = int((value.float() * inv).view(torch.int32)) & 0xFFFF
+        if low > 0x8000 and len(up) < count // 2:
+            up.append(float(value))
+        elif 0 < low < 0x8000 and len(down) < count // 2:
+            down.append(float(value))
+    return up + down
+
+
+def _check_global_scale(backend, device) -> str | None:
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    for amax in scale_rounding_amaxes():
+        x = (torch.rand((17, 32), generator=gen) * 2 - 1) * amax * 0.9
+        x[5, 7] = -amax
+        x = x.to(torch.bfloat16).to(device)
+        diff = _compare_packed(f"dynamic scale of amax {amax}", backend.pack_nvfp4(x), _from_float(x, None))
+        if diff:
+            return diff
+    return None
+
+
 def _check_pack(backend, device) -> str | None:
     for label, (x, scale) in probe_activations(device).items():
         packed = backend.pack_nvfp4(x, static_scale=_static(scale, device))
@@ -451,6 +483,7 @@ def _check_linear(backend, device) -> str | None:
 
 
 PROBES = {
+    "global_scale": _check_global_scale,
     "pack": _check_pack,
     "pack_modulate": _check_pack_modulate,
     "rms_norm": _check_rms_norm,
@@ -531,10 +564,11 @@ def op_refusal(device: torch.device, op: str) -> str | None:
         return None
     if op == "block":
         return None if verdict.block != "failed" else f"the block self-check found a difference: {verdict.block_detail}"
-    result = verdict.ops.get(op)
-    if result is None or result.ok is not False:
-        return None
-    return f"the self-check found it differs from ComfyUI's op ({result.detail})"
+    for name in (op, "global_scale") if op in USES_GLOBAL_SCALE else (op,):
+        result = verdict.ops.get(name)
+        if result is not None and result.ok is False:
+            return f"the self-check found {name} differs from ComfyUI's op ({result.detail})"
+    return None
 
 
 # ---- the block check ---------------------------------------------------------------------------------------
