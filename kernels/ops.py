@@ -29,14 +29,16 @@ from . import runtime
 # Launch shapes. The kernels are compiled with these values (kernel_defines) and the grids computed from them.
 LAUNCH = {
     "PACK_THREADS": 256, "ABSMAX_THREADS": 512, "ITEMS": 1, "PLAIN_ITEMS": 4, "SILU_TABLE_THREADS": 512,
-    "RESIDUAL_THREADS": 256, "ROW_NORM_THREADS": 256, "ROW_NORM_MAX_STEPS": 11,
+    "RESIDUAL_THREADS": 256, "ROW_NORM_THREADS": 128, "ROW_NORM_MAX_STEPS": 11,
 }
 ABSMAX_CTAS_PER_SM = 4
 # The RMSNorm + RoPE kernel handles H3's heads only: 128 dims, rotation over the first 96 (48 pairs).
 ROPE_HEAD_DIM, ROPE_ROT_DIM, ROPE_THREADS, ROPE_THREADS_PER_HEAD = 128, 96, 256, 8
 ROPE_DEFINES = (("ROPE_HEAD_DIM", ROPE_HEAD_DIM), ("ROPE_ROT_DIM", ROPE_ROT_DIM), ("ROPE_THREADS", ROPE_THREADS),
                 ("ROPE_THREADS_PER_HEAD", ROPE_THREADS_PER_HEAD))
-ROW_NORM_MAX_COLS = 512 * LAUNCH["ROW_NORM_MAX_STEPS"]  # one warp keeps a row of up to 5632 values in registers
+ROW_NORM_MAX_COLS = 512 * LAUNCH["ROW_NORM_MAX_STEPS"]  # one warp stages a row of up to 5632 values
+# shared memory of the row-norm kernels: one staged row per warp (44 KB with 4 warps: no opt-in, fits sm_120's 99 KB)
+ROW_NORM_SHARED_BYTES = LAUNCH["ROW_NORM_THREADS"] // 32 * ROW_NORM_MAX_COLS * 2
 EMULATE_BLACKWELL_ENV = "H3_FUSED_NVFP4_EMULATE_BLACKWELL"
 EXTRA_DEFINES: tuple = ()  # tests only: planted faults (e.g. (("NVFP4_PLANT_FAULT", 1),))
 
@@ -352,8 +354,9 @@ def _row_norm_launch(kernel: str, x, norm: RmsNorm, *, other=None, gate=None, mo
         params.mod_row_stride = modulation.scale.stride(0)
         params.out = _global_scale_out(x.device, stream, global_scale_out)
     threads = LAUNCH["ROW_NORM_THREADS"]
-    grid = max(1, min(-(-x.shape[0] // (threads // 32)), mod.sm_count * 8))  # one warp per row
-    mod.launch(kernel, grid, threads, params, stream)
+    grid = max(1, min(-(-x.shape[0] // (threads // 32)), mod.sm_count * 16))  # one warp per row
+    shared = ROW_NORM_SHARED_BYTES if kernel.endswith("_amax") else 0
+    mod.launch(kernel, grid, threads, params, stream, shared_bytes=shared)
 
 
 def _check_norm_outputs(x, norm: RmsNorm, modulation, global_scale_out):
