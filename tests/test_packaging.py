@@ -143,7 +143,11 @@ def test_tool_comfy(pyproject):
     assert comfy["DisplayName"].strip()
     assert "comfyui" not in comfy["DisplayName"].lower()
     assert comfy["Icon"] == "" or re.fullmatch(r"https://\S+", comfy["Icon"])
+    assert (REPO_ROOT / comfy["Icon"].rsplit("/", 1)[-1]).is_file(), "the icon the registry links to is in the repo"
     assert isinstance(comfy.get("includes", []), list)
+    # The oldest ComfyUI with MiniMax H3 the pack patches; the tests' ComfyUI must satisfy it.
+    spec = SpecifierSet(comfy["requires-comfyui"])
+    assert Version("0.34.5") in spec and Version("0.33.0") not in spec
 
 
 # ---------------------------------------------------------------------------------------------------------------------
