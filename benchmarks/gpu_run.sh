@@ -10,6 +10,7 @@
 #   report         python report.py --dram (dynamic scales)         -> report.json
 #   report-static  python report.py --dram --all-static            -> report-static.json
 #   bench-pack     benchmarks/bench_pack.py                        -> pack.json
+#   trade          benchmarks/calibration_trade.py                 -> calibration-trade.json
 #
 # The machine has no network: .whl/ holds the wheels it lacks (comfy-kitchen, comfy-aimdo, torchsde, trampoline;
 # ../shared/tools/device-wheels.sh and pip download make them), .device/comfyui.tar.gz a copy of ../shared/comfyui and
@@ -46,6 +47,8 @@ for step in ${STEPS:-tests report}; do
              > "$OUT/report-static.log" 2>&1; rc=$?; tail -8 "$OUT/report-static.log" ;;
     bench-pack) timeout "$STEP_TIMEOUT" python3 benchmarks/bench_pack.py --out "$OUT/pack.json" > "$OUT/pack.log" 2>&1
              rc=$?; tail -12 "$OUT/pack.log" ;;
+    trade) timeout "$STEP_TIMEOUT" python3 benchmarks/calibration_trade.py --out "$OUT/calibration-trade.json" \
+             > "$OUT/trade.log" 2>&1; rc=$?; tail -12 "$OUT/trade.log" ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
   summary+=("$step: exit $rc, $((SECONDS - start)) s")

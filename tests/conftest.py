@@ -48,16 +48,24 @@ requires_cuda = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GP
 from comfy_harness import clean_models, comfyui, comfyui_reason, force_nvfp4_compute  # noqa: E402,F401
 
 
-def pytest_report_header(config):
+def _comfyui_line() -> str:
     from h3_fused_nvfp4.integration import comfy_env
 
     try:
         location = comfy_env.find_comfyui()
     except RuntimeError as exc:
-        return [f"real ComfyUI: {exc}"]
+        return f"real ComfyUI: {exc}"
     reason = comfyui_reason()
     where = f"{location.root} ({location.how})" if location else "none found"
-    return [f"real ComfyUI: {where}" + (f"; not usable: {reason}" if reason else "")]
+    return f"real ComfyUI: {where}" + (f"; not usable: {reason}" if reason else "")
+
+
+def pytest_report_header(config):
+    return [_comfyui_line()]
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(_comfyui_line())  # also under -q, where the header is not shown
 
 
 def pytest_configure(config):

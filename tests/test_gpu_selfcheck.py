@@ -80,3 +80,30 @@ def test_cached_cubin_the_driver_refuses_is_rebuilt(monkeypatch, tmp_path):
     mod = runtime.Module(0, "nvfp4_pack.cu", defines)  # loads, finds the driver refusing it, rebuilds
     assert mod.function("nvfp4_pack_plain")
     assert runtime._read_cached(path) != garbage
+
+
+def test_changed_comfyui_block_is_caught_on_the_gpu(monkeypatch):
+    """ComfyUI's DiTBlock.forward with the MLP modulation's two roundings swapped: the kernel probes still pass, the
+    block check on the first forward sees it, and the model then runs ComfyUI's path."""
+    import comfy.ldm.minimax.model as m
+
+    from test_selfcheck import changed_block_forward
+
+    monkeypatch.setattr(m.DiTBlock, "forward", changed_block_forward)
+    with selfcheck_mode("force"):
+        blocks = [syn.make_dit_block(syn.H3_SMALL, seed=21 + i, device="cuda") for i in range(2)]
+        inputs = syn.make_block_inputs(syn.H3_SMALL, TOKENS, seed=22, device="cuda")
+        run_blocks(blocks, inputs)
+        stock = run_blocks(blocks, inputs)
+        clone, report = patch.apply_fused(syn.model_patcher_for(syn.BlockHolder(blocks)), "block")
+        assert report.applied and "self-check passed" in report.summary()
+        clone.patch_model(load_weights=False)
+        try:
+            first = run_blocks(blocks, inputs)
+            state = clone.object_patches["diffusion_model.blocks.0.forward"].state
+            assert state.block_check == "failed" and "differs at index" in state.block_check_detail
+            later = run_blocks(blocks, inputs)
+        finally:
+            clone.unpatch_model()
+    assert_bit_identical(first, stock, "the checking call returns ComfyUI's result")
+    assert_bit_identical(later, stock, "later calls run ComfyUI's path")

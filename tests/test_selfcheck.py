@@ -51,6 +51,21 @@ def run_patched(clone, blocks, inputs):
         clone.unpatch_model()
 
 
+def changed_block_forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options={}, attention=None):
+    """ComfyUI's DiTBlock.forward with one planted change: the MLP modulation applies its shift before its scale."""
+    import comfy.ldm.minimax.model as m
+
+    attention = self.attn if attention is None else attention
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj(t_emb)
+    h = m._mod_scale_shift(self.norm1(x), shift_msa, scale_msa, mod_segments)
+    x = m._mod_gate(x, gate_msa, attention(h, rope_freqs=rope_freqs, transformer_options=transformer_options),
+                    mod_segments)
+    h = self.norm2(x)
+    for a, b, row in mod_segments:
+        h[a:b].add_(m._mod_row(shift_mlp, row, h.dtype)).mul_(1.0 + m._mod_row(scale_mlp, row, h.dtype))
+    return m._mod_gate(x, gate_mlp, self.mlp(h), mod_segments)
+
+
 def test_every_probe_passes_on_the_twin_quickly():
     t0 = time.perf_counter()
     results = selfcheck.run_kernel_checks(fused_ops, CPU)
@@ -88,21 +103,7 @@ def test_changed_comfyui_block_is_caught_by_the_block_check(monkeypatch):
     see it (every kernel probe still passes); the model then runs ComfyUI's path, and the verdict is remembered."""
     import comfy.ldm.minimax.model as m
 
-    def mod_shift_first(h, shift, scale, segments):
-        for a, b, row in segments:
-            h[a:b].add_(m._mod_row(shift, row, h.dtype)).mul_(1.0 + m._mod_row(scale, row, h.dtype))
-        return h
-
-    def changed_forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options={}, attention=None):
-        attention = self.attn if attention is None else attention
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj(t_emb)
-        h = m._mod_scale_shift(self.norm1(x), shift_msa, scale_msa, mod_segments)
-        x = m._mod_gate(x, gate_msa, attention(h, rope_freqs=rope_freqs, transformer_options=transformer_options),
-                        mod_segments)
-        h = mod_shift_first(self.norm2(x), shift_mlp, scale_mlp, mod_segments)
-        return m._mod_gate(x, gate_mlp, self.mlp(h), mod_segments)
-
-    monkeypatch.setattr(m.DiTBlock, "forward", changed_forward)
+    monkeypatch.setattr(m.DiTBlock, "forward", changed_block_forward)
     blocks = [syn.make_dit_block(seed=11 + i) for i in range(2)]
     inputs = syn.make_block_inputs(tokens=TOKENS, seed=13)
     stock = run_blocks(blocks, inputs)  # the changed ComfyUI
