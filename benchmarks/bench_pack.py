@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import platform
 import statistics
-import subprocess
 import sys
 
 import torch

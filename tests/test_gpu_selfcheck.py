@@ -11,7 +11,7 @@ import torch
 from conftest import requires_cuda
 from h3_fused_nvfp4.integration import patch, selfcheck, synthetic as syn
 from parity import assert_bit_identical, selfcheck_mode
-from test_h3_block_cpu import TOKENS, linears, run_blocks
+from test_h3_block_cpu import TOKENS, run_blocks
 
 pytestmark = [requires_cuda, pytest.mark.usefixtures("comfyui")]
 CUDA = torch.device("cuda", 0)
