@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parent
 PACKAGE = "h3_fused_nvfp4"
 
 
-def _import_pack():
+def import_pack():
     # The folder an installed pack lives in may have any name (dashes included): import it under one name.
     if PACKAGE not in sys.modules:
         spec = importlib.util.spec_from_file_location(PACKAGE, ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
@@ -24,7 +24,7 @@ def _import_pack():
 
 
 if __name__ == "__main__":
-    _import_pack()
+    import_pack()
     from h3_fused_nvfp4.integration import report
 
     sys.exit(report.main())

@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import report  # noqa: E402  (the repository's report.py: imports this folder as the package h3_fused_nvfp4)
 
-report._import_pack()
+report.import_pack()
 
 from h3_fused_nvfp4.integration.report import copy_bandwidth_gbs, device_info, time_ms, warm_up_gpu  # noqa: E402
 from h3_fused_nvfp4.kernels import ops  # noqa: E402

@@ -26,6 +26,7 @@ through reference/fused_ops.py, the Python twin of the kernels (tests).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 import threading
@@ -34,6 +35,7 @@ import torch
 
 from ..kernels import runtime
 from ..layout import Modulation, RmsNorm
+from .calibrate import RecordingForward, recording_paused
 from .linear import FusedNVFP4Linear, allocation_context, backend_for, note_fallback
 from . import selfcheck
 
@@ -163,6 +165,7 @@ class FusedAttention:
         module = sys.modules.get(type(attn).__module__)
         self.attention_function = getattr(module, "optimized_attention", None)
         self.container = getattr(module, "AttentionTensorContainer", None)
+        self.counts = collections.Counter()  # calls by path ("rms_rope": the fused kernel ran); tests read them
 
     def _project_qkv(self, x, qkv_source):
         if qkv_source is None:
@@ -181,6 +184,7 @@ class FusedAttention:
         if reason is None:
             try:
                 backend.rms_rope_split_half_(q, k, rope_freqs, qw, kw, attn.q_norm.eps, rot)
+                self.counts["rms_rope"] += 1
                 return
             except runtime.KernelBuildError as exc:  # the kernel did not build or launch; q and k are untouched
                 reason = f"kernel failed: {exc}"
@@ -272,11 +276,11 @@ class ModelState:
     """State shared by the patches of one patched model clone: the modulation index of the current forward, the
     block self-check's verdict, and the hand-over of norm statistics from one block to the next."""
 
-    def __init__(self, report_key: str = ""):
+    def __init__(self):
         self.index_cache = ModulationIndexCache()
         self.block_check = "pending"  # "pending" | "passed" | "failed" | "off"
         self.block_check_detail = ""
-        self.report_key = report_key
+        self.node_id = None  # the graph node that patched the model: the block check's verdict is shown there
         self.handoff = None  # (block index, key, Handoff) written by block i for block i + 1
         self.lock = threading.Lock()
 
@@ -308,18 +312,33 @@ class FusedDiTBlock:
         self.mod_scale_shift = getattr(module, "_mod_scale_shift")
         self.mod_gate = getattr(module, "_mod_gate")
         self._workspace = {}
+        # Calls by path (tests and the report read them): "fused" forwards, "norm1" / "norm2" folded into the
+        # kernels, "residual" kernels, "handoff_out" / "handoff_in" statistics handed to / taken from a neighbour.
+        self.counts = collections.Counter()
 
-    @contextlib.contextmanager
-    def unpatched(self):
-        """ComfyUI's own forwards on this block's submodules for the duration (this pack's object patches lifted):
-        the stock arm of the block self-check."""
+    def _patched_submodules(self):
+        """(module, this pack's forward patch) of the block's attention, MLP and Linears."""
         block = self.block
-        saved = []
         for module in (block.attn, block.attn.qkv_proj, block.attn.out_proj, block.mlp, block.mlp.fc1, block.mlp.fc2):
             forward = module.__dict__.get("forward")
             if isinstance(forward, (FusedNVFP4Linear, FusedAttention, FusedSwigluMLP)):
-                saved.append((module, forward))
-                del module.__dict__["forward"]
+                yield module, forward
+
+    def recorders(self) -> set:
+        """The calibration recorders of this block's fused Linears (empty unless calibrating)."""
+        return {f.recorder for _, f in self._patched_submodules()
+                if isinstance(f, FusedNVFP4Linear) and f.recorder is not None}
+
+    @contextlib.contextmanager
+    def unpatched(self, keep_recording: bool = False):
+        """ComfyUI's own forwards on this block's submodules for the duration (this pack's object patches lifted):
+        the stock arm of the block self-check. ``keep_recording``: a calibrating Linear records on the stock
+        forward (the call the user gets)."""
+        saved = list(self._patched_submodules())
+        for module, forward in saved:
+            del module.__dict__["forward"]
+            if keep_recording and isinstance(forward, FusedNVFP4Linear) and forward.recorder is not None:
+                module.__dict__["forward"] = RecordingForward(module, forward.name, forward.recorder)
         try:
             yield
         finally:
@@ -336,12 +355,11 @@ class FusedDiTBlock:
         if _in_training():
             return "ComfyUI is training"
         try:
-            if backend_for(x) is None:
-                return "no fused backend for this device"
+            backend_for(x)  # builds the kernels on first use
         except runtime.KernelBuildError as exc:
             return f"kernels unavailable: {exc}"
         if self.state.block_check == "failed":
-            return f"the block self-check found a difference: {self.state.block_check_detail}"
+            return f"the block self-check failed: {self.state.block_check_detail}"
         return selfcheck.op_refusal(x.device, "block")
 
     def _fold_norm(self, x, norm) -> str | None:
@@ -436,6 +454,8 @@ class FusedDiTBlock:
         block = self.block
         backend = backend_for(x)
         incoming = self._take_handoff(x, t_emb, mod_segments)
+        self.counts["fused"] += 1
+        self.counts["handoff_in"] += incoming is not None
         rows = incoming.rows if incoming is not None else block.adaln_proj(t_emb)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = rows
         index = self.state.index_cache.get(mod_segments, x.shape[0], x.device)
@@ -460,7 +480,9 @@ class FusedDiTBlock:
             fc1_dynamic = self.mlp.fc1 is not None and self.mlp.fc1.dynamic_scale()
             done = self._residual(backend, x, gate_msa, out, mod_segments, index, next_norm, mod_mlp,
                                   scalars[0:1] if fc1_dynamic else None)
-            if not done:
+            if done:
+                self.counts["norm2"] += 1
+            else:
                 next_norm = None
             g_fc1 = scalars[0:1] if (next_norm is not None and fc1_dynamic) else None
         else:
@@ -502,6 +524,7 @@ class FusedDiTBlock:
         done = self._residual(backend, x, gate, out, mod_segments, index, norm, mod,
                               scalars[0:1] if qkv_dynamic else None)
         if done:
+            self.counts["handoff_out"] += 1
             self.state.handoff = (nxt.index, self._handoff_key(x, t_emb, mod_segments),
                                   Handoff(rows, norm, scalars[0:1] if qkv_dynamic else None))
         return x
@@ -512,6 +535,7 @@ class FusedDiTBlock:
         ``modulate(n)`` is ComfyUI's modulation of a norm output (the stock input when the projection refuses)."""
         reason = self._fold_norm(x, norm)
         if reason is None and incoming is not None:
+            self.counts[name] += 1
             return x, LinearSource(lambda: modulate(norm(x)), modulation=modulation, norm=incoming.norm,
                                    global_scale=incoming.global_scale)
         if reason is None:
@@ -524,6 +548,7 @@ class FusedDiTBlock:
             except (runtime.KernelBuildError, ValueError) as exc:
                 reason = f"norm statistics kernel failed: {exc}"
             if reason is None:
+                self.counts[name] += 1
                 return x, LinearSource(lambda: modulate(norm(x)), modulation=modulation, norm=rms,
                                        global_scale=scalars[0:1] if dynamic else None)
         note_fallback(f"{self.name}.{name}", f"torch's RMSNorm runs: {reason}")
@@ -541,6 +566,7 @@ class FusedDiTBlock:
             try:
                 backend.gated_residual_(x, other, gate16, index, next_norm=next_norm,
                                         next_modulation=next_modulation, global_scale_out=global_scale_out)
+                self.counts["residual"] += 1
                 return next_norm is not None
             except (runtime.KernelBuildError, ValueError) as exc:
                 reason = f"kernel failed: {exc}"
@@ -561,12 +587,13 @@ class FusedDiTBlock:
         return the stock result of the full call. One host sync, on this call only."""
         options = {k: v for k, v in (transformer_options or {}).items() if k != "optimized_attention_override"}
         try:
-            with allocation_context():
+            with allocation_context(), recording_paused(self.recorders()):  # the check's forwards do not count
                 verdict = selfcheck.check_block(self, x, t_emb, mod_segments, rope_freqs, options, BLOCK_CHECK_ROWS)
         except Exception as exc:  # the check itself must never break the user's graph
-            verdict = selfcheck.BlockVerdict(False, f"the block self-check could not run: {type(exc).__name__}: {exc}")
+            verdict = selfcheck.BlockVerdict(False, f"the block self-check could not run: {type(exc).__name__}: {exc}",
+                                             compared=False)
         selfcheck.record_block_verdict(self.state, x.device, verdict)
         self._drop_handoff()
-        with self.unpatched():
+        with self.unpatched(keep_recording=True):
             return self.stock_forward(x, t_emb, mod_segments, rope_freqs, transformer_options=transformer_options,
                                       attention=attention)

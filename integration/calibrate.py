@@ -13,30 +13,42 @@ on the fused and on the stock path alike: a fused Linear records the amax of the
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import threading
+import weakref
 
 import torch
 
 from ..layout import GLOBAL_SCALE_DIVISOR
 
 STATE_KEY = "h3_fused_nvfp4_calibration"  # transformer_options entry: the recorder id of a calibrating clone
+# (an id, not the object: ComfyUI may deep-copy model options)
 SAMPLES = 256
 STATISTICS = ("max", "p99.9", "p99")
 
 
 class CalibrationRecorder:
-    """Per-layer device buffers: ``[running amax, last SAMPLES per-call amax values...]`` and a host call count."""
+    """Per-layer device buffers: ``[running amax, last SAMPLES per-call amax values...]`` and a host call count.
+    ``expected``: the layers that must have been called before the statistics may be saved."""
 
-    def __init__(self, samples: int = SAMPLES):
+    def __init__(self, samples: int = SAMPLES, expected: tuple[str, ...] = ()):
         self.samples = samples
+        self.expected = expected
         self.layers: dict[str, dict] = {}
         self.lock = threading.Lock()
+        self.paused = 0  # > 0 while a block self-check runs extra forwards that must not count
+
+    def active(self) -> bool:
+        return self.paused == 0
 
     def record(self, name: str, x: torch.Tensor) -> None:
-        """Record ``amax|x|`` (NaN propagates, as ComfyUI's dynamic scale) for layer ``name``; no host sync."""
-        amax = torch.amax(x.detach().abs()).float().reshape(1)
+        """Record ``amax|x|`` (NaN propagates, as ComfyUI's dynamic scale) for layer ``name``; no host sync and no
+        temporary of x's size (the inf-norm is one reduction)."""
+        if self.paused:
+            return
+        amax = torch.linalg.vector_norm(x.detach(), float("inf")).float().reshape(1)
         with self.lock:
             slot = self.layers.get(name)
             if slot is None:
@@ -48,29 +60,52 @@ class CalibrationRecorder:
         torch.maximum(buffer[0:1], amax, out=buffer[0:1])
         buffer[1 + calls % self.samples: 2 + calls % self.samples].copy_(amax)
 
+    def missing(self) -> list[str]:
+        """Expected layers never called while recording."""
+        return [name for name in self.expected if name not in self.layers]
+
     def statistics(self) -> dict[str, dict]:
-        """Host copies (one sync, at save time): amax, calls, percentiles of the sampled per-call maxima."""
+        """Host copies (one sync, at save time): amax, calls, and percentiles of the per-call maxima of the last
+        ``samples`` calls (``max`` covers every call)."""
+        names = sorted(self.layers)
+        if not names:
+            return {}
+        data = torch.stack([self.layers[n]["buffer"].to(self.layers[names[0]]["buffer"].device) for n in names]).cpu()
         out = {}
-        for name, slot in sorted(self.layers.items()):
-            data = slot["buffer"].cpu()
-            samples = data[1:1 + min(slot["calls"], self.samples)]
-            entry = {"amax": float(data[0]), "calls": slot["calls"], "samples": [float(v) for v in samples]}
-            if samples.numel():
-                finite = samples[torch.isfinite(samples)]
-                for stat, q in (("p99.9", 0.999), ("p99", 0.99)):
-                    entry[stat] = float(torch.quantile(finite, q)) if finite.numel() else float("nan")
+        for name, row in zip(names, data):
+            calls = self.layers[name]["calls"]
+            samples = row[1:1 + min(calls, self.samples)]
+            entry = {"amax": float(row[0]), "calls": calls, "samples": samples.tolist()}
+            finite = samples[torch.isfinite(samples)]
+            for stat, q in (("p99.9", 0.999), ("p99", 0.99)):
+                entry[stat] = float(torch.quantile(finite, q)) if finite.numel() else float("nan")
             out[name] = entry
         return out
 
 
-_recorders: dict[str, CalibrationRecorder] = {}
+@contextlib.contextmanager
+def recording_paused(recorders):
+    """No recording by ``recorders`` for the duration (the block self-check's extra forwards)."""
+    recorders = [r for r in recorders if r is not None]
+    for r in recorders:
+        r.paused += 1
+    try:
+        yield
+    finally:
+        for r in recorders:
+            r.paused -= 1
+
+
+# Recorders live as long as a calibrating clone's patches reference them.
+_recorders: "weakref.WeakValueDictionary[str, CalibrationRecorder]" = weakref.WeakValueDictionary()
 _ids = itertools.count()
 
 
-def new_recorder() -> tuple[str, CalibrationRecorder]:
+def new_recorder(expected: tuple[str, ...] = ()) -> tuple[str, CalibrationRecorder]:
     key = f"calibration-{next(_ids)}"
-    _recorders[key] = CalibrationRecorder()
-    return key, _recorders[key]
+    recorder = CalibrationRecorder(expected=expected)
+    _recorders[key] = recorder
+    return key, recorder
 
 
 def recorder_of(model_patcher) -> CalibrationRecorder | None:
@@ -79,13 +114,14 @@ def recorder_of(model_patcher) -> CalibrationRecorder | None:
 
 
 class RecordingForward:
-    """Object patch for a Linear on ComfyUI's own path: record its input's amax, then run ComfyUI's forward."""
+    """Object patch for a Linear on ComfyUI's own path: record its input's amax, then run the forward that was
+    there (another node's patch, or ComfyUI's own)."""
 
-    def __init__(self, layer, name: str, recorder: CalibrationRecorder):
+    def __init__(self, layer, name: str, recorder: CalibrationRecorder, inner=None):
         self.layer = layer
         self.name = name
         self.recorder = recorder
-        self.stock_forward = type(layer).forward.__get__(layer)
+        self.stock_forward = inner if inner is not None else type(layer).forward.__get__(layer)
 
     def __call__(self, x, *args, **kwargs):
         self.recorder.record(self.name, x)
@@ -96,7 +132,7 @@ def apply_calibration(model_patcher, allow_reference_backend: bool = False):
     """``(clone, summary)``: a clone of ``model_patcher`` that records every H3 NVFP4 Linear's input amax. A fused
     model stays fused (its patches are rebuilt for the clone, with recording); a stock one stays stock."""
     from . import patch
-    from .linear import FusedNVFP4Linear, is_nvfp4_linear
+    from .linear import FusedNVFP4Linear
 
     fused = patch.patch_state(model_patcher).get("mode") == "fused"
     if fused:
@@ -105,40 +141,38 @@ def apply_calibration(model_patcher, allow_reference_backend: bool = False):
         fused = report.applied
     else:
         clone = model_patcher.clone()
-    key, recorder = new_recorder()
-    diffusion_model = clone.get_model_object("diffusion_model")
-    layers = 0
-    for blk in patch.find_h3_blocks(diffusion_model):
-        for path in patch.LINEAR_PATHS:
-            layer = patch._get(blk.module, path)
-            if not is_nvfp4_linear(layer):
-                continue
-            name = f"{blk.prefix}.{path}"
-            current = clone.object_patches.get(f"diffusion_model.{name}.forward")
-            if isinstance(current, FusedNVFP4Linear):
-                current.recorder = recorder
-            else:
-                clone.add_object_patch(f"diffusion_model.{name}.forward", RecordingForward(layer, name, recorder))
-            layers += 1
+    layers = patch.nvfp4_layers(clone.get_model_object("diffusion_model"))
+    key, recorder = new_recorder(tuple(layers))
+    for name, layer in layers.items():
+        patch_key = f"diffusion_model.{name}.forward"
+        current = clone.object_patches.get(patch_key)
+        if isinstance(current, FusedNVFP4Linear):
+            current.recorder = recorder
+        else:
+            clone.add_object_patch(patch_key, RecordingForward(layer, name, recorder, inner=current))
     clone.model_options.setdefault("transformer_options", {})[STATE_KEY] = key
     if not layers:
         return clone, "H3 fused NVFP4 calibration: no NVFP4 Linear in MiniMax H3 blocks to record"
-    return clone, (f"H3 fused NVFP4 calibration: recording the input amax of {layers} NVFP4 layers on the "
+    return clone, (f"H3 fused NVFP4 calibration: recording the input amax of {len(layers)} NVFP4 layers on the "
                    f"{'fused' if fused else 'stock'} path; run sampling, then save with 'Save Calibrated H3 NVFP4'")
 
 
 def input_scales(statistics: dict[str, dict], headroom: float = 1.0, statistic: str = "max") -> dict[str, float]:
-    """``input_scale = amax x headroom / 2688`` per recorded layer (``statistic``: max or a sampled percentile)."""
+    """``input_scale = amax x headroom / 2688`` per recorded layer (``statistic``: max or a sampled percentile).
+    ``statistics``: :meth:`CalibrationRecorder.statistics` or its JSON file (``calls`` may be left out)."""
     if statistic not in STATISTICS:
         raise ValueError(f"statistic must be one of {STATISTICS}")
     if not (headroom > 0 and math.isfinite(headroom)):
         raise ValueError(f"headroom must be a positive number, got {headroom}")
+    if not isinstance(statistics, dict) or not statistics:
+        raise ValueError("no recorded layers")
+    field = "amax" if statistic == "max" else statistic
     scales = {}
     for name, entry in statistics.items():
-        value = entry["amax"] if statistic == "max" else entry.get(statistic, float("nan"))
-        if not entry["calls"]:
+        value = entry.get(field) if isinstance(entry, dict) else None
+        if isinstance(entry, dict) and not entry.get("calls", 1):
             raise ValueError(f"{name} was never called while recording")
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name}: recorded {statistic} {value} is not a positive finite amax (NaN/inf inputs?)")
+        if not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} has no positive {field} ({value!r}; NaN or inf inputs while recording?)")
         scales[name] = value * headroom / GLOBAL_SCALE_DIVISOR
     return scales

@@ -206,7 +206,10 @@ class FusedNVFP4Linear:
         rebuild the layer input with ComfyUI's own code when the fused path refuses."""
         if source is not None:
             stock = source.stock
-        if self.recorder is not None:  # calibrating: the amax of the input ComfyUI builds for this layer
+        if self.recorder is not None and self.recorder.active():  # calibrating: the input ComfyUI would build
+            if stock is not None:
+                built = stock()  # once: a fallback below reuses it
+                stock = lambda: built  # noqa: E731
             self.recorder.record(self.name, stock() if stock is not None else x)
         modulation = source.modulation if source is not None else None
         norm = source.norm if source is not None else None

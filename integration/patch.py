@@ -146,6 +146,12 @@ def _get(module, path: str):
     return module
 
 
+def nvfp4_layers(diffusion_model) -> dict[str, torch.nn.Module]:
+    """Name (below ``diffusion_model.``) -> module of every NVFP4 Linear of the matched H3 blocks."""
+    return {f"{blk.prefix}.{path}": layer for blk in find_h3_blocks(diffusion_model) for path in LINEAR_PATHS
+            if is_nvfp4_linear(layer := _get(blk.module, path))}
+
+
 # ---- patching ----------------------------------------------------------------------------------------------
 
 def _device_description(device: torch.device) -> str:

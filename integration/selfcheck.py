@@ -13,8 +13,9 @@ Two levels:
 
 A differing byte turns the fused path off for that op (or for the model after a block mismatch), with the op, the
 first differing index and both values in the log and on the node's text. Verdicts are cached on disk beside the
-kernel cache, keyed by the GPU, driver, torch, CUDA runtime, comfy-kitchen, kernel sources, ComfyUI version and
-the source of the H3 code the block replaces; a change of any of them re-runs the check.
+kernel cache, keyed by the GPU, driver build, torch, CUDA runtime, comfy-kitchen, the kernel sources and build
+defines, this pack's Python, the ComfyUI version and the source of the ComfyUI code the fused path reproduces (H3
+forwards and helpers, NVFP4 Linear, RMSNorm, quantizer); a change of any of them re-runs the check.
 
 ``H3_FUSED_NVFP4_SELFCHECK``: ``auto`` (default: run once per key, then use the cached verdict), ``force`` (run
 again, ignore the cache), ``skip`` (no checks: tests and benchmarks that check parity themselves).
@@ -96,14 +97,22 @@ class Verdict:
 # ---- the key -----------------------------------------------------------------------------------------------
 
 def _driver_version() -> str:
-    try:
-        import ctypes
+    """The driver build (NVML, e.g. "580.159.04"); the CUDA API version where NVML is missing."""
+    import ctypes
 
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        buf = ctypes.create_string_buffer(96)
+        if nvml.nvmlInit_v2() == 0 and nvml.nvmlSystemGetDriverVersion(buf, 96) == 0:
+            return buf.value.decode()
+    except (OSError, AttributeError):
+        pass
+    try:
         from ..kernels import runtime
 
         value = ctypes.c_int()
         runtime.driver().cuDriverGetVersion(ctypes.byref(value))
-        return f"{value.value // 1000}.{value.value % 1000 // 10}"
+        return f"cuda {value.value // 1000}.{value.value % 1000 // 10}"
     except Exception:  # no driver: CPU
         return "none"
 
@@ -126,25 +135,47 @@ def comfyui_version() -> str:
         return "unknown"
 
 
+def _comfy_class_sources(cls) -> list[str]:
+    """Source of ``cls`` and of every ComfyUI class it inherits from (a subclass alone may be two lines)."""
+    return [inspect.getsource(c) for c in cls.__mro__ if c.__module__.startswith("comfy")]
+
+
 def block_source_hash() -> str:
-    """Hash of the source of the ComfyUI code the fused block replaces (forwards and the helpers they call)."""
+    """Hash of the source of the ComfyUI code the fused ops reproduce or replace: the H3 forwards and helpers, the
+    NVFP4 Linear and RMSNorm classes and ComfyUI's NVFP4 quantizer."""
     parts = []
     try:
         import comfy.ldm.minimax.model as m
         import comfy.ops
+        import comfy.quant_ops
 
         objects = [m.DiTBlock.forward, m.Attention.forward, m.MLP.forward, m.AdalnProj.forward, m._mod_scale_shift,
                    m._mod_gate, m._mod_row, getattr(comfy.ops, "linear_input_act", None),
-                   getattr(comfy.ops, "_eager_input_act", None)]
+                   getattr(comfy.ops, "_eager_input_act", None), getattr(comfy.ops, "_swiglu_eager", None)]
         for obj in objects:
             if obj is not None:
                 parts.append(inspect.getsource(obj))
         ops = comfy.ops.mixed_precision_ops({}, compute_dtype=torch.bfloat16)
-        parts.append(inspect.getsource(ops.Linear.forward))
-        parts.append(inspect.getsource(ops.RMSNorm))
+        for cls in (ops.Linear, ops.RMSNorm, comfy.quant_ops.TensorCoreNVFP4Layout):
+            parts += _comfy_class_sources(cls)
     except Exception as exc:  # no ComfyUI H3 (tests of the pack alone): the hash says so
         parts.append(f"unavailable: {type(exc).__name__}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def pack_source_digest() -> str:
+    """Hash of this pack's Python that the verdict vouches for (the integration, the kernels' host code, the CPU
+    twin): an edited or updated pack re-runs the check."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    paths = [root / "__init__.py", root / "layout.py"]
+    for folder in ("integration", "kernels", "reference"):
+        paths += sorted((root / folder).glob("*.py"))
+    for path in paths:
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def environment_key(device: torch.device) -> dict:
@@ -152,7 +183,8 @@ def environment_key(device: torch.device) -> dict:
 
     key = {"device": str(device), "torch": torch.__version__, "cuda_runtime": str(torch.version.cuda),
            "comfy_kitchen": _package_version("comfy-kitchen"), "kernels": runtime.source_digest()[:16],
-           "defines": repr(ops.kernel_defines()), "comfyui": comfyui_version(), "h3_code": block_source_hash()}
+           "defines": repr((ops.kernel_defines(), ops.kernel_defines("h3_rms_rope.cu"))),
+           "pack": pack_source_digest(), "comfyui": comfyui_version(), "h3_code": block_source_hash()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         key.update(gpu=props.name, capability=f"{props.major}.{props.minor}", driver=_driver_version())
@@ -210,7 +242,7 @@ def first_difference(what: str, fused: torch.Tensor, comfy: torch.Tensor) -> str
     show = (lambda v: f"{float(v.float()):.9g}") if fused.is_floating_point() else (lambda v: f"0x{int(v):02x}")
     index = tuple(int(j) for j in torch.unravel_index(torch.tensor(i), tuple(fused.shape))) if fused.dim() else ()
     return (f"{what} differs at index {index} (fused {show(fv)}, ComfyUI {show(cv)}; "
-            f"{int(ne.numel() // item) or 1} bytes differ)")
+            f"{ne.numel()} bytes differ)")
 
 
 def _compare_packed(label, packed, qt) -> str | None:
@@ -577,6 +609,7 @@ def op_refusal(device: torch.device, op: str) -> str | None:
 class BlockVerdict:
     ok: bool
     detail: str
+    compared: bool = True  # False: the check could not run (e.g. out of memory); nothing is cached then
 
 
 def clip_segments(segments, rows: int) -> list:
@@ -611,7 +644,7 @@ def record_block_verdict(state, device: torch.device, verdict: BlockVerdict) -> 
     state.block_check = "passed" if verdict.ok else "failed"
     state.block_check_detail = verdict.detail
     kv = _verdicts.get(str(device))
-    if kv is not None and kv.origin != "skipped":
+    if kv is not None and kv.origin != "skipped" and verdict.compared:  # a real difference holds for the device
         kv.block, kv.block_detail = state.block_check, verdict.detail
         _store(kv)
     if verdict.ok:
@@ -625,7 +658,7 @@ def record_block_verdict(state, device: torch.device, verdict: BlockVerdict) -> 
 
 def _notify_node(state, text: str) -> None:
     """Show ``text`` on the node that patched the model (ComfyUI's progress text), where a server runs."""
-    node_id = getattr(state, "node_id", None)
+    node_id = state.node_id
     server = sys.modules.get("server")
     instance = getattr(getattr(server, "PromptServer", None), "instance", None)
     if node_id is None or instance is None or not hasattr(instance, "send_progress_text"):

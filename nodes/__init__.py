@@ -11,12 +11,16 @@ Node ids are stable (workflows depend on them):
 from __future__ import annotations
 
 import inspect
+import json
 import logging
+import math
 import os
+import pathlib
 
 from comfy_api.latest import ComfyExtension, io, ui
 
 from ..integration import patch
+from ..integration.calibrate import STATISTICS
 
 log = logging.getLogger("h3_fused_nvfp4")
 
@@ -187,56 +191,58 @@ class H3FusedNVFP4Calibrate(io.ComfyNode):
 
 
 def save_calibrated(model, unet_name: str, filename: str, headroom: float, statistic: str, overwrite: bool,
-                    progress=None) -> tuple[str, str]:
+                    progress=None) -> str:
     """Write models/diffusion_models/<filename>: ``unet_name`` unchanged + the recorded input scales, and the
-    statistics as JSON beside it. Returns (path, summary)."""
-    import json
-
+    statistics as JSON beside it (both or neither). Returns the summary line."""
     import folder_paths
 
     from ..integration import calibrate, checkpoint
+    from ..kernels import runtime
 
     recorder = calibrate.recorder_of(model)
     if recorder is None or not recorder.layers:
         raise ValueError("no calibration data: connect the MODEL that went through 'Calibrate H3 NVFP4 Scales' "
                          "and a sampler (the sampler must run before this node)")
-    source = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-    stats = recorder.statistics()
-    expected = [name for name in _nvfp4_layer_names(model)]
-    never = [name for name in expected if name not in stats or not stats[name]["calls"]]
+    never = recorder.missing()
     if never:
         raise ValueError(f"{len(never)} NVFP4 layers were never called while recording (e.g. {never[0]}); "
                          "run the whole sampling with the calibrating model first")
+    source = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+    stats = recorder.statistics()
     scales = calibrate.input_scales(stats, headroom, statistic)
     if not filename.endswith((".safetensors", ".sft")):
         filename += ".safetensors"
     folder = os.path.dirname(source)  # the models/diffusion_models folder the source was found in
     dest = os.path.join(folder, os.path.basename(filename))
-    metadata = {"h3_fused_nvfp4.calibration": json.dumps(
-        {"source": unet_name, "headroom": headroom, "statistic": statistic,
-         "layers": {k: {key: v[key] for key in ("amax", "calls", "p99.9", "p99") if key in v}
-                    for k, v in stats.items()}})}
+    stats_path = pathlib.Path(dest.rsplit(".", 1)[0] + ".calibration.json")
+    if stats_path.exists() and not overwrite:
+        raise ValueError(f"{stats_path} exists; choose another name or enable overwrite")
+    summary = {"source": unet_name, "headroom": headroom, "statistic": statistic}
+    metadata = {"h3_fused_nvfp4.calibration": _json_text(
+        {**summary, "layers": {k: {key: v[key] for key in ("amax", "calls", *calibrate.STATISTICS[1:])}
+                               for k, v in stats.items()}})}
     report = checkpoint.save_with_input_scales(source, dest, scales, metadata, progress=progress, overwrite=overwrite)
-    stats_path = dest.rsplit(".", 1)[0] + ".calibration.json"
-    tmp = stats_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"source": unet_name, "headroom": headroom, "statistic": statistic, "layers": stats}, f, indent=1)
-    os.replace(tmp, stats_path)
-    return dest, (f"H3 fused NVFP4: wrote {os.path.basename(dest)} with a static input_scale for {len(scales)} "
-                  f"layers ({statistic} x {headroom}); statistics in {os.path.basename(stats_path)}"
-                  + (f"; {report.get('seconds', 0):.1f} s" if isinstance(report, dict) else ""))
+    try:
+        runtime.atomic_write(stats_path, _json_text({**summary, "layers": stats}, indent=1).encode())
+    except OSError:  # both files or neither
+        os.remove(dest)
+        raise
+    return (f"H3 fused NVFP4: wrote {os.path.basename(dest)} with a static input_scale for {len(scales)} layers "
+            f"({statistic} x {headroom}); statistics in {stats_path.name}; {report['seconds']:.1f} s")
 
 
-def _nvfp4_layer_names(model) -> list[str]:
-    from ..integration import patch
-    from ..integration.linear import is_nvfp4_linear
+def _json_text(value, indent=None) -> str:
+    """Strict JSON: NaN / inf (e.g. a percentile of NaN-only calls) are written as null."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return v
 
-    names = []
-    for blk in patch.find_h3_blocks(model.get_model_object("diffusion_model")):
-        for path in patch.LINEAR_PATHS:
-            if is_nvfp4_linear(patch._get(blk.module, path)):
-                names.append(f"{blk.prefix}.{path}")
-    return names
+    return json.dumps(clean(value), indent=indent, allow_nan=False)
 
 
 class H3FusedNVFP4SaveCalibrated(io.ComfyNode):
@@ -265,7 +271,7 @@ class H3FusedNVFP4SaveCalibrated(io.ComfyNode):
                 io.Float.Input("headroom", default=1.0, min=0.5, max=4.0, step=0.05,
                                tooltip="Multiplies the recorded amax: above 1 leaves room for larger activations "
                                        "than the calibration run saw (less saturation, coarser steps)."),
-                _input(io.Combo.Input, "statistic", options=["max", "p99.9", "p99"], default="max", advanced=True,
+                _input(io.Combo.Input, "statistic", options=list(STATISTICS), default="max", advanced=True,
                        tooltip="max: the largest amax seen. p99.9 / p99: a percentile of the per-call maxima "
                                "(clips rare outlier calls)."),
                 _input(io.Boolean.Input, "overwrite", default=False, advanced=True,
@@ -284,7 +290,7 @@ class H3FusedNVFP4SaveCalibrated(io.ComfyNode):
         def progress(done, total, name):
             bar.update_absolute(int(1000 * done / max(total, 1)), 1000)
 
-        _, summary = save_calibrated(model, unet_name, filename, headroom, statistic, overwrite, progress)
+        summary = save_calibrated(model, unet_name, filename, headroom, statistic, overwrite, progress)
         log.info(summary)
         return io.NodeOutput(ui=ui.PreviewText(summary))
 

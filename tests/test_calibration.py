@@ -70,7 +70,7 @@ def test_calibrate_save_load_round_trip(pack, model_file, clean_models):
         for name, entry in stats["layers"].items():
             scale = f.get_tensor(f"{name}.input_scale")
             assert scale.dtype == torch.float32
-            assert scale.item() == pytest.approx(entry["amax"] * 1.25 / GLOBAL_SCALE_DIVISOR, rel=1e-6)
+            assert torch.equal(scale, torch.tensor(entry["amax"] * 1.25 / GLOBAL_SCALE_DIVISOR, dtype=torch.float32))
         assert "h3_fused_nvfp4.calibration" in f.metadata()
     clean_models.unload_all_models()
 
@@ -109,8 +109,23 @@ def test_save_refusals_leave_nothing_behind(pack, model_file, clean_models):
 def test_input_scales_refuse_bad_statistics():
     with pytest.raises(ValueError, match="never called"):
         calibrate.input_scales({"blocks.0.mlp.fc1": {"amax": 1.0, "calls": 0}})
-    with pytest.raises(ValueError, match="positive finite"):
+    with pytest.raises(ValueError, match="has no positive amax"):
         calibrate.input_scales({"blocks.0.mlp.fc1": {"amax": float("nan"), "calls": 3}})
     with pytest.raises(ValueError, match="headroom"):
         calibrate.input_scales({"blocks.0.mlp.fc1": {"amax": 1.0, "calls": 3}}, headroom=0)
+    with pytest.raises(ValueError, match="has no positive p99"):
+        calibrate.input_scales({"blocks.0.mlp.fc1": {"amax": 1.0}}, statistic="p99")
     assert calibrate.input_scales({"a": {"amax": 2688.0, "calls": 1}}, headroom=2.0) == {"a": 2.0}
+    assert calibrate.input_scales({"a": {"amax": 9.0, "p99": 2688.0}}, statistic="p99") == {"a": 1.0}
+
+
+def test_recorder_propagates_nan_and_keeps_the_last_samples():
+    recorder = calibrate.CalibrationRecorder(samples=2)
+    for values in ([1.0, -3.0], [0.5, -0.0], [float("nan"), 2.0], [-7.0, 1.0]):
+        recorder.record("layer", torch.tensor(values, dtype=torch.bfloat16))
+    entry = recorder.statistics()["layer"]
+    assert entry["calls"] == 4 and entry["amax"] != entry["amax"]  # NaN: as ComfyUI's dynamic scale would be
+    assert entry["samples"][1] == 7.0 and entry["samples"][0] != entry["samples"][0]  # ring of the last two calls
+    with calibrate.recording_paused([recorder]):
+        recorder.record("layer", torch.ones(4))
+    assert recorder.statistics()["layer"]["calls"] == 4

@@ -367,7 +367,8 @@ def test_script_converts_with_calibrated_scales(tmp_path, sources):
     assert "8 layers -> NVFP4" in done.stdout and "2 input scales" in done.stdout
     assert "100%" in done.stderr
     out, metadata = read_all(dest)
-    assert json.loads(metadata["h3_fused_nvfp4.input_scales"]) == {"calibration": "calib.json", "headroom": 1.25}
+    assert json.loads(metadata["h3_fused_nvfp4.calibration"]) == {"source": "calib.json", "headroom": 1.25,
+                                                                  "statistic": "max"}
     assert torch.equal(out["blocks.0.attn.qkv_proj.input_scale"],
                        torch.tensor(12.5 * 1.25 / GLOBAL_SCALE_DIVISOR, dtype=torch.float32))
     assert torch.equal(out["blocks.1.mlp.fc2.input_scale"],

@@ -12,7 +12,7 @@ import torch
 from conftest import requires_cuda
 from h3_fused_nvfp4.integration import synthetic as syn
 from parity import assert_bit_identical, fresh_seed
-from test_h3_block_cpu import fused, linears, run_blocks
+from test_h3_block_cpu import assert_fully_fused, fused, linears, recorded_both_ways, run_blocks
 
 pytestmark = [requires_cuda, pytest.mark.usefixtures("comfyui")]
 
@@ -51,8 +51,7 @@ def test_full_width_blocks_bit_identical(variant, per_token):
         run_blocks(blocks, inputs)
         result = run_blocks(blocks, inputs)
     assert_bit_identical(result, stock, f"{variant}, per-token rows {per_token}, seed {seed}")
-    used = linears(patches)
-    assert all(v.calls_fused == 2 and v.calls_stock == 0 for v in used), [(v.name, v.calls_stock) for v in used]
+    assert_fully_fused(patches, len(blocks), calls=2, rope=True)
 
 
 def _halving_override(func, *args, **kwargs):
@@ -65,9 +64,10 @@ def test_attention_override_full_width():
     inputs = _inputs(seed + 1)
     options = {"optimized_attention_override": _halving_override}
     stock = _warm_stock(blocks, inputs, options)
-    with fused(blocks):
+    with fused(blocks) as patches:
         run_blocks(blocks, inputs, options)
         assert_bit_identical(run_blocks(blocks, inputs, options), stock, f"override seed {seed}")
+    assert_fully_fused(patches, len(blocks), calls=2, handoff=False)  # the override gets the stock attention call
 
 
 def test_block_check_on_the_gpu():
@@ -91,7 +91,7 @@ def test_cuda_graph_capture_and_replay():
     blocks = _blocks(seed, n=2)
     inputs = _inputs(seed + 3)
     x, t_emb, segments, rope = inputs
-    with fused(blocks):
+    with fused(blocks) as patches:
         run_blocks(blocks, inputs)  # warm: kernels built, buffers allocated
         static_x = x.clone()
         graph = torch.cuda.CUDAGraph()
@@ -106,6 +106,9 @@ def test_cuda_graph_capture_and_replay():
                 for i, b in enumerate(blocks):
                     h = b(h, t_emb, segments, rope, transformer_options={"block_index": i})
         torch.cuda.current_stream().wait_stream(stream)
+        # the warm-up, the capture-stream warm-up (one block at a time: no hand-over) and the capture ran fused
+        assert [patches[f"blocks.{i}.forward"].counts["residual"] for i in range(2)] == [6, 6]
+        assert all(v.calls_fused == 3 and v.calls_stock == 0 for v in linears(patches))
         new_x = (torch.randn_like(x.float()) * 1.5).to(torch.bfloat16)
         static_x.copy_(new_x)
         graph.replay()
@@ -120,7 +123,7 @@ def test_no_host_sync_in_the_fused_blocks():
     seed = fresh_seed()
     blocks = _blocks(seed, n=2)
     inputs = _inputs(seed + 4)
-    with fused(blocks):
+    with fused(blocks) as patches:
         run_blocks(blocks, inputs)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -128,29 +131,11 @@ def test_no_host_sync_in_the_fused_blocks():
             run_blocks(blocks, inputs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    assert_fully_fused(patches, len(blocks), calls=2, rope=True)
 
 
 def test_calibration_records_the_same_amax_on_both_paths():
     """The recorder of a fused layer (the amax of the input ComfyUI would build) equals the one of the stock layer."""
-    from h3_fused_nvfp4.integration import calibrate
-    from h3_fused_nvfp4.integration.calibrate import RecordingForward
-
     seed = fresh_seed()
-    blocks = _blocks(seed, n=2)
-    inputs = _inputs(seed + 5)
-    stock_rec, fused_rec = calibrate.CalibrationRecorder(), calibrate.CalibrationRecorder()
-    layers = [(f"blocks.{i}.{path}", b.get_submodule(path)) for i, b in enumerate(blocks) for path in syn.QUANTIZED_LINEARS]
-    for name, layer in layers:
-        layer.forward = RecordingForward(layer, name, stock_rec)
-    try:
-        run_blocks(blocks, inputs)
-    finally:
-        for _, layer in layers:
-            del layer.__dict__["forward"]
-    with fused(blocks) as patches:
-        for v in linears(patches):
-            v.recorder = fused_rec
-        run_blocks(blocks, inputs)
-    a, b = stock_rec.statistics(), fused_rec.statistics()
-    assert set(a) == set(b) == {name for name, _ in layers}
+    a, b = recorded_both_ways(_blocks(seed, n=2), _inputs(seed + 5))
     assert all(a[n]["amax"] == b[n]["amax"] > 0 and a[n]["calls"] == b[n]["calls"] == 1 for n in a), (a, b)

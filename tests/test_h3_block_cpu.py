@@ -15,7 +15,7 @@ import contextlib
 import pytest
 import torch
 
-from h3_fused_nvfp4.integration import patch, synthetic as syn
+from h3_fused_nvfp4.integration import calibrate, patch, synthetic as syn
 from parity import assert_bit_identical, fresh_seed
 
 pytestmark = pytest.mark.usefixtures("comfyui")
@@ -57,6 +57,22 @@ def linears(patches, prefix="blocks."):
     return [v for v in patches.values() if type(v).__name__ == "FusedNVFP4Linear" and v.name.startswith(prefix)]
 
 
+def assert_fully_fused(patches, blocks: int, *, calls: int = 1, handoff: bool = True, rope: bool = False):
+    """Every fusion of the block path ran in each of ``calls`` model calls: both norms folded, both residual
+    kernels, the hand-over between neighbours (``handoff``), every NVFP4 Linear fused (``rope``: the RMSNorm + RoPE
+    kernel too; off the GPU comfy-kitchen's op runs)."""
+    for i in range(blocks):
+        counts = patches[f"blocks.{i}.forward"].counts
+        want = {"fused": calls, "norm1": calls, "norm2": calls, "residual": 2 * calls,
+                "handoff_in": calls * (handoff and i > 0), "handoff_out": calls * (handoff and i < blocks - 1)}
+        assert {k: counts[k] for k in want} == want, (i, dict(counts))
+        if rope:
+            assert patches[f"blocks.{i}.attn.forward"].counts["rms_rope"] == calls, i
+    used = linears(patches)
+    assert used and all(v.calls_fused == calls and v.calls_stock == 0 for v in used), [
+        (v.name, v.calls_fused, v.calls_stock) for v in used]
+
+
 VARIANTS = {
     "dynamic": dict(),
     "static-mix": dict(static_layers=("attn.out_proj", "mlp.fc1")),
@@ -79,9 +95,7 @@ def test_fused_blocks_match_comfyui(variant, per_token):
     with fused(blocks) as patches:
         result = run_blocks(blocks, inputs)
     assert_bit_identical(result, stock, f"{variant}, per-token rows {per_token}, seed {seed}")
-    used = linears(patches)
-    assert used and all(v.calls_fused == 1 and v.calls_stock == 0 for v in used), [
-        (v.name, v.calls_fused, v.calls_stock) for v in used]
+    assert_fully_fused(patches, len(blocks))
 
 
 @pytest.mark.parametrize("scope", patch.SCOPES)
@@ -170,3 +184,35 @@ def test_block_check_passes_and_returns_the_stock_result():
         second = run_blocks(blocks, inputs)
     assert_bit_identical(first, stock, "the checking call")
     assert_bit_identical(second, stock, "after the check")
+
+
+def recorded_both_ways(blocks, inputs, block_check=False):
+    """Calibration statistics of ``blocks`` on ``inputs``: recorded on ComfyUI's path, then on the fused path
+    (``block_check``: the fused call is the one that runs the block self-check)."""
+    stock_rec, fused_rec = calibrate.CalibrationRecorder(), calibrate.CalibrationRecorder()
+    layers = [(f"blocks.{i}.{path}", b.get_submodule(path)) for i, b in enumerate(blocks) for path in syn.QUANTIZED_LINEARS]
+    for name, layer in layers:
+        layer.forward = calibrate.RecordingForward(layer, name, stock_rec)
+    try:
+        run_blocks(blocks, inputs)
+    finally:
+        for _, layer in layers:
+            del layer.__dict__["forward"]
+    with fused(blocks, block_check=block_check) as patches:
+        for v in linears(patches):
+            v.recorder = fused_rec
+        run_blocks(blocks, inputs)
+        assert patches["blocks.0.forward"].state.block_check == "passed"
+    a, b = stock_rec.statistics(), fused_rec.statistics()
+    assert set(a) == set(b) == {name for name, _ in layers}
+    return a, b
+
+
+@pytest.mark.parametrize("block_check", [False, True], ids=["after-the-check", "on-the-checking-call"])
+def test_calibration_records_the_stock_inputs(block_check):
+    """A fused layer records the amax of the input ComfyUI builds for it, once per call, also on the call that
+    runs the block self-check (the check's extra forwards do not count)."""
+    seed = fresh_seed()
+    blocks = [syn.make_dit_block(seed=seed + i) for i in range(2)]
+    a, b = recorded_both_ways(blocks, syn.make_block_inputs(tokens=TOKENS, seed=seed + 5), block_check)
+    assert all(a[n]["amax"] == b[n]["amax"] > 0 and a[n]["calls"] == b[n]["calls"] == 1 for n in a), (a, b)
