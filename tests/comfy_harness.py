@@ -12,20 +12,21 @@ ComfyUI this pack is installed in, or ``../shared/comfyui``), imported in-proces
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
 import os
 import pathlib
 import sys
-import time
 import uuid
 from typing import Any, Callable, Iterable
 
 import pytest
 import torch
 
-from h3_fused_nvfp4.integration import comfy_env
+from h3_fused_nvfp4.integration import comfy_env, synthetic as syn
+from parity import selfcheck_mode
 
 HARNESS_MODEL_NODE_ID = "H3Harness_ModelSource"
 HARNESS_FORWARD_NODE_ID = "H3Harness_Forward"
@@ -231,7 +232,16 @@ def model_source_node(key: str) -> dict:
 
 
 def forward_node(model_ref, tag: str, seed: int = 0) -> dict:
+    """A Forward node recording its model output under ``tag`` (an earlier result of that tag is dropped)."""
+    FORWARD_RESULTS.pop(tag, None)
     return {"class_type": HARNESS_FORWARD_NODE_ID, "inputs": {"model": model_ref, "tag": tag, "seed": seed}}
+
+
+def forward_pairs(tag: str, reference: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(output of ``tag``, output of ``reference``) per model output stream (video, audio); both must have run."""
+    a, b = FORWARD_RESULTS.get(tag), FORWARD_RESULTS.get(reference)
+    assert a and b and len(a) == len(b), f"forward results {tag!r} / {reference!r} missing or of other lengths"
+    return list(zip(a, b))
 
 
 def h3_forward_inputs(diffusion_model, seed: int):
@@ -322,7 +332,63 @@ def force_nvfp4_compute(comfyui, monkeypatch):
     monkeypatch.setattr(comfyui.model_management, "should_use_bf16", lambda *a, **k: True)  # bf16 compute
 
 
-def timed(fn):
-    t0 = time.perf_counter()
-    value = fn()
-    return value, time.perf_counter() - t0
+# ---- the pack inside ComfyUI, a tiny H3 checkpoint ------------------------------------------------------------
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REFERENCE_ON_CPU_ENV = "H3_FUSED_NVFP4_REFERENCE_ON_CPU"
+NUM_LAYERS, REFINER_LAYERS = 2, 2
+UNET_NAME = "tiny_h3_nvfp4.safetensors"
+
+
+@pytest.fixture(scope="module")
+def pack(comfyui):
+    """This repository loaded through ComfyUI's ``nodes.load_custom_node``, the CPU twin allowed."""
+    nodes_module_name = str(REPO_ROOT).replace(".", "_x_") + ".nodes"
+    first_import = nodes_module_name not in sys.modules
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(REFERENCE_ON_CPU_ENV, "1")
+        loaded = load_custom_node_pack(REPO_ROOT)
+    nodes_module = loaded.submodule("nodes")
+    if first_import:
+        assert nodes_module.REFERENCE_ON_CPU is True
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(nodes_module, "REFERENCE_ON_CPU", True)
+        yield loaded
+
+
+@pytest.fixture
+def selfcheck_forced():
+    """The self-check runs as users get it (no cached verdict), in every copy of the pack's modules."""
+    with selfcheck_mode("force"):
+        yield
+
+
+@contextlib.contextmanager
+def diffusion_models_folder(folder):
+    """Register ``folder`` for "diffusion_models"; restore ComfyUI's path list and file-list cache on exit."""
+    import folder_paths
+
+    key = "diffusion_models"
+    entry = folder_paths.folder_names_and_paths[key]
+    saved = list(entry[0])
+    folder_paths.filename_list_cache.pop(key, None)
+    folder_paths.add_model_folder_path(key, str(folder))
+    try:
+        yield folder
+    finally:
+        entry[0][:] = saved
+        folder_paths.filename_list_cache.pop(key, None)
+
+
+@pytest.fixture
+def model_file(comfyui, tmp_path, force_nvfp4_compute):
+    """A tiny H3 NVFP4 checkpoint (out_proj with a static input_scale) registered for "diffusion_models"."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "diffusion_models"
+    folder.mkdir()
+    sd = syn.model_state_dict(num_layers=NUM_LAYERS, refiner_layers=REFINER_LAYERS, seed=3,
+                              static_layers=("attn.out_proj",))
+    save_file(sd, str(folder / UNET_NAME))
+    with diffusion_models_folder(folder):
+        yield folder / UNET_NAME

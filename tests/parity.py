@@ -75,16 +75,25 @@ def segments_and_index(rows: int, table_rows: int, device="cuda", per_token: boo
     return segments, index.to(device)
 
 
+def _selfcheck_modules():
+    """Every loaded copy of integration/selfcheck.py (ComfyUI imports the pack under its folder path, the tests as
+    h3_fused_nvfp4: each copy keeps its own verdicts)."""
+    import sys
+
+    return [m for name, m in list(sys.modules.items()) if name.endswith("integration.selfcheck") and m is not None]
+
+
 @contextlib.contextmanager
 def selfcheck_mode(value: str):
-    """Run with H3_FUSED_NVFP4_SELFCHECK=value and fresh in-memory verdicts."""
+    """Run with H3_FUSED_NVFP4_SELFCHECK=value and fresh in-memory verdicts in every copy of the pack."""
     import os
 
     from h3_fused_nvfp4.integration import selfcheck
 
     old = os.environ.get(selfcheck.SELFCHECK_ENV)
     os.environ[selfcheck.SELFCHECK_ENV] = value
-    selfcheck.forget_verdicts()
+    for module in _selfcheck_modules():
+        module.forget_verdicts()
     try:
         yield
     finally:
@@ -92,4 +101,5 @@ def selfcheck_mode(value: str):
             os.environ.pop(selfcheck.SELFCHECK_ENV, None)
         else:
             os.environ[selfcheck.SELFCHECK_ENV] = old
-        selfcheck.forget_verdicts()
+        for module in _selfcheck_modules():
+            module.forget_verdicts()

@@ -14,7 +14,9 @@ import comfy_harness as ch
 from h3_fused_nvfp4.integration import calibrate
 from h3_fused_nvfp4.layout import GLOBAL_SCALE_DIVISOR
 from parity import assert_bit_identical
-from test_nodes import NUM_LAYERS, REFINER_LAYERS, UNET_NAME, model_file, pack  # noqa: F401  (fixtures)
+from comfy_harness import NUM_LAYERS, REFINER_LAYERS, UNET_NAME
+
+pytestmark = pytest.mark.usefixtures("selfcheck_forced")
 
 LAYERS = 4 * (NUM_LAYERS + REFINER_LAYERS)
 
@@ -84,7 +86,7 @@ def test_calibrate_save_load_round_trip(pack, model_file, clean_models):
     run = ch.run_prompt(prompt)
     run.raise_for_status()
     assert f"{LAYERS} static input_scale" in run.ui_text("1")
-    for a, b in zip(ch.FORWARD_RESULTS["calibrated fused"], ch.FORWARD_RESULTS["calibrated comfy"]):
+    for a, b in ch.forward_pairs("calibrated fused", "calibrated comfy"):
         assert_bit_identical(a, b, "calibrated checkpoint")
     linears = [v for v in run.output("1").object_patches.values() if type(v).__name__ == "FusedNVFP4Linear"]
     assert all(not v.dynamic_scale() for v in linears)

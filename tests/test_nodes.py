@@ -11,79 +11,21 @@ by class name.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import pathlib
-import sys
 
 import pytest
 import torch
 
 import comfy_harness as ch
 from h3_fused_nvfp4.integration import patch as patch_mod, synthetic as syn
-from parity import assert_bit_identical, selfcheck_mode
+from comfy_harness import NUM_LAYERS, REFINER_LAYERS, UNET_NAME
+from parity import assert_bit_identical
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 NODE_IDS = ["H3FusedNVFP4Loader", "H3FusedNVFP4Patch", "H3FusedNVFP4Toggle", "H3FusedNVFP4Calibrate",
             "H3FusedNVFP4SaveCalibrated"]
 LOGGER = "h3_fused_nvfp4"
-ENV_VAR = "H3_FUSED_NVFP4_REFERENCE_ON_CPU"
-NUM_LAYERS, REFINER_LAYERS = 2, 2
-UNET_NAME = "tiny_h3_nvfp4.safetensors"
 
-
-@pytest.fixture(scope="module")
-def pack(comfyui):
-    """This repository loaded through ComfyUI's ``nodes.load_custom_node``, the CPU twin allowed."""
-    nodes_module_name = str(REPO_ROOT).replace(".", "_x_") + ".nodes"
-    first_import = nodes_module_name not in sys.modules
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(ENV_VAR, "1")
-        loaded = ch.load_custom_node_pack(REPO_ROOT)
-    nodes_module = loaded.submodule("nodes")
-    if first_import:
-        assert nodes_module.REFERENCE_ON_CPU is True
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(nodes_module, "REFERENCE_ON_CPU", True)
-        yield loaded
-
-
-@pytest.fixture(autouse=True)
-def _selfcheck_runs(monkeypatch):
-    # The nodes run the self-check as users get it, on the CPU twin; a fresh verdict cache per test.
-    with selfcheck_mode("force"):
-        yield
-
-
-@contextlib.contextmanager
-def diffusion_models_folder(folder):
-    """Register ``folder`` for "diffusion_models"; restore ComfyUI's path list and file-list cache on exit."""
-    import folder_paths
-
-    key = "diffusion_models"
-    entry = folder_paths.folder_names_and_paths[key]
-    saved = list(entry[0])
-    folder_paths.filename_list_cache.pop(key, None)
-    folder_paths.add_model_folder_path(key, str(folder))
-    try:
-        yield folder
-    finally:
-        entry[0][:] = saved
-        folder_paths.filename_list_cache.pop(key, None)
-
-
-@pytest.fixture
-def model_file(comfyui, tmp_path, force_nvfp4_compute):
-    """A tiny H3 NVFP4 checkpoint (out_proj with a static input_scale) registered for "diffusion_models"."""
-    from safetensors.torch import save_file
-
-    folder = tmp_path / "diffusion_models"
-    folder.mkdir()
-    sd = syn.model_state_dict(num_layers=NUM_LAYERS, refiner_layers=REFINER_LAYERS, seed=3,
-                              static_layers=("attn.out_proj",))
-    save_file(sd, str(folder / UNET_NAME))
-    with diffusion_models_folder(folder):
-        yield folder / UNET_NAME
+pytestmark = pytest.mark.usefixtures("selfcheck_forced")  # the nodes run the self-check as users get it
 
 
 def load_graph(scope="block", toggles=True, loader="H3FusedNVFP4Loader") -> dict:
@@ -170,9 +112,8 @@ def test_loader_toggle_whole_model_bit_identical(pack, model_file, clean_models,
     assert type(loaded.model).__name__ == "MiniMaxH3"  # ComfyUI's model detection found minimax_h3
     assert set(loaded.object_patches) == expected_patch_keys(scope)
     assert comfy_clone.object_patches == {} and set(fused_clone.object_patches) == expected_patch_keys(scope)
-    results = ch.FORWARD_RESULTS
     for tag in ("fused1", "fused2", "comfy2"):
-        for a, b, stream in zip(results[tag], results["comfy"], ("video", "audio")):
+        for (a, b), stream in zip(ch.forward_pairs(tag, "comfy"), ("video", "audio"), strict=True):
             assert_bit_identical(a, b, f"{tag} {stream} output, scope {scope}")
     used = [v for k, v in fused_clone.object_patches.items()
             if type(v).__name__ == "FusedNVFP4Linear" and k.startswith("diffusion_model.blocks.")]
@@ -214,7 +155,7 @@ def test_patch_node_after_comfyui_sparse_attention(pack, model_file, clean_model
                          "f1": ch.forward_node(["2", 0], "sparse comfy", seed=6),
                          "f2": ch.forward_node(["1", 0], "sparse fused", seed=6)})
     run.raise_for_status()
-    for a, b in zip(ch.FORWARD_RESULTS["sparse fused"], ch.FORWARD_RESULTS["sparse comfy"]):
+    for a, b in ch.forward_pairs("sparse fused", "sparse comfy"):
         assert_bit_identical(a, b, "under ComfyUI's sparse-attention patch")
     patched = run.output("1")
     replace = patched.model_options["transformer_options"]["patches_replace"]["dit"]
@@ -322,7 +263,7 @@ def test_lora_weight_wrapper_takes_comfyui_path_for_that_layer(pack, model_file,
                          "f1": ch.forward_node(["3", 0], "lora comfy", seed=7),
                          "f2": ch.forward_node(["2", 0], "lora fused", seed=7)})
     run.raise_for_status()
-    for a, b in zip(ch.FORWARD_RESULTS["lora fused"], ch.FORWARD_RESULTS["lora comfy"]):
+    for a, b in ch.forward_pairs("lora fused", "lora comfy"):
         assert_bit_identical(a, b, "LoRA-like wrapper")
     linears = {v.name: v for v in run.output("2").object_patches.values() if type(v).__name__ == "FusedNVFP4Linear"}
     assert linears[lora_layer].calls_fused == 0 and linears[lora_layer].calls_stock > 0

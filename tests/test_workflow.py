@@ -425,25 +425,14 @@ def test_notes_explain_files_and_ab(workflow):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pack(comfyui):
-    return ch.load_custom_node_pack(REPO_ROOT)
-
-
 @pytest.fixture
 def nvfp4_file(comfyui, tmp_path):
     """Make ``UNET_NAME`` an existing models/diffusion_models file for ComfyUI's combo validation."""
-    import folder_paths
-
     folder = tmp_path / "diffusion_models"
     folder.mkdir()
     (folder / UNET_NAME).write_bytes(b"")
-    folder_paths.add_model_folder_path("diffusion_models", str(folder))
-    try:
+    with ch.diffusion_models_folder(folder):
         yield UNET_NAME
-    finally:
-        folder_paths.folder_names_and_paths["diffusion_models"][0].remove(str(folder))
-        folder_paths.filename_list_cache.pop("diffusion_models", None)
 
 
 def to_api(workflow: dict, node_ids: set[int] | None = None) -> dict:
