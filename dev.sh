@@ -38,6 +38,10 @@ setup() {
     return 0
   fi
   if [[ ! -x "$VENV/bin/python" ]]; then
+    if [[ -e "$VENV" && ! -f "$VENV/pyvenv.cfg" && -n "$(ls -A "$VENV" 2>/dev/null)" ]]; then
+      say "$VENV exists and is not a virtual environment: refusing to replace it (set VENV to another folder)"
+      return 1
+    fi
     say "creating $VENV with $("$PYTHON" --version 2>&1)"
     rm -rf "$VENV"
     "$PYTHON" -m venv "$VENV"
@@ -72,7 +76,7 @@ run_report() {
 }
 
 usage() {
-  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 cmd="${1:-}"

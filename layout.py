@@ -19,6 +19,7 @@ FP4_MAX = 6.0
 E4M3_MAX = 448.0
 GLOBAL_SCALE_DIVISOR = FP4_MAX * E4M3_MAX  # 2688
 BLOCK = 16  # elements per NVFP4 block (one e4m3 scale each)
+NVFP4_LAYOUT = "TensorCoreNVFP4Layout"  # ComfyUI's / comfy-kitchen's name of the NVFP4 QuantizedTensor layout
 
 
 def roundup(value: int, multiple: int) -> int:

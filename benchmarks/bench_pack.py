@@ -1,7 +1,8 @@
 """Benchmark: ComfyUI's NVFP4 activation pack vs the fused kernels, side by side in one process.
 
-For each H3 input width at 37,810 rows: the Comfy path (torch amax/abs/div/cast + comfy-kitchen CUDA pack with
-its zero-filled scale buffer + the GEMM alpha product) against the fused path (one reduction that also writes
+For each H3 input width at 37,810 rows: ComfyUI's path (its ``TensorCoreNVFP4Layout.quantize``: torch amax/abs/div/
+cast + comfy-kitchen's CUDA pack with its zero-filled scale buffer, then the GEMM alpha product comfy-kitchen's GEMM
+wrapper computes) against the fused path (one reduction that also writes
 alpha, one pack), in dynamic and static-scale mode. Equality of the packed bytes is checked first. Reports
 median times over alternating repeats, the ratio, bytes moved and achieved bandwidth against a measured
 device-to-device copy, and kernel launches per projection from torch.profiler.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shlex
 import statistics
 import sys
 
@@ -25,16 +27,13 @@ import report  # noqa: E402  (the repository's report.py: imports this folder as
 
 report.import_pack()
 
-from h3_fused_nvfp4.integration.report import copy_bandwidth_gbs, device_info, time_ms, warm_up_gpu  # noqa: E402
+from h3_fused_nvfp4.integration import comfy_env, synthetic as syn  # noqa: E402
+from h3_fused_nvfp4.integration.report import (  # noqa: E402
+    HOST_LEAD_CYCLES, MARKER, copy_bandwidth_gbs, device_info, kernel_profile, time_ms, warm_up_gpu)
 from h3_fused_nvfp4.kernels import ops  # noqa: E402
 
-ROWS = 37810
-WIDTHS = (5376, 7168, 14336)
-
-
-# Cycles of the spin kernel queued ahead of each timed call (about 1 ms at H200 / Blackwell clocks).
-HOST_LEAD_CYCLES = 2_000_000
-
+ROWS = sum(syn.FULL_TOKENS)  # 37,810: the 1344x768, 124-frame layout
+WIDTHS = (5376, 7168, 14336)  # out_proj / qkv_proj and fc1 inputs, fc2 input
 
 
 def kernel_times_ms(fn, reps=10):
@@ -50,29 +49,11 @@ def kernel_times_ms(fn, reps=10):
         torch.cuda.synchronize()
     durations: dict[str, list[float]] = {}
     for e in prof.events():
-        if e.device_type.name == "CUDA" and "sleep" not in e.name:
+        if e.device_type.name == "CUDA" and MARKER not in e.name:
             durations.setdefault(e.name, []).append(e.time_range.elapsed_us() / 1e3)
     return {name: statistics.median(v) for name, v in durations.items()}
 
 
-
-
-def count_launches(fn):
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and e.name not in ("cudaDeviceSynchronize",))
-
-
-
-def _dist_version(name):
-    from importlib.metadata import version
-
-    return version(name)
 
 
 def main():
@@ -80,7 +61,8 @@ def main():
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "pack.json"))
     parser.add_argument("--reps", type=int, default=30)
     args = parser.parse_args()
-    import comfy_kitchen as ck
+    comfy_env.import_comfyui()
+    from comfy.quant_ops import TensorCoreNVFP4Layout
 
     torch.manual_seed(440420)
     warm_up_gpu()
@@ -92,13 +74,12 @@ def main():
         static = torch.tensor([0.01], dtype=torch.float32, device="cuda")
 
         def comfy_dynamic():
-            g = (torch.amax(x.abs()) / 2688.0).to(torch.float32)
-            q, s = ck.quantize_nvfp4(x, g, pad_16x=True)
-            return q, s, g, g * w2
+            q, params = TensorCoreNVFP4Layout.quantize(x)
+            return q, params.block_scale, params.scale, params.scale * w2
 
         def comfy_static():
-            q, s = ck.quantize_nvfp4(x, static, pad_16x=True)
-            return q, s, static
+            q, params = TensorCoreNVFP4Layout.quantize(x, scale=static)
+            return q, params.block_scale, params.scale
 
         def fused_dynamic():
             return ops.pack_nvfp4(x, weight_scale_2=w2)
@@ -144,14 +125,14 @@ def main():
                 "reduction_kernel": in_bytes / (reduction_ms * 1e-3) / 1e9,
                 "pack_kernel": (in_bytes + out_bytes) / (pack_ms * 1e-3) / 1e9,
             },
-            "launches_per_projection": {name: count_launches(fn) for name, fn in arms.items()},
+            "launches_per_projection": {name: len(kernel_profile(fn)) for name, fn in arms.items()},
         }
         row["fraction_of_copy_bandwidth"] = {n: v / copy_gbs for n, v in row["achieved_gbs"].items()}
         results.append(row)
 
     report = {
         "benchmark": "nvfp4 activation pack, Comfy path vs fused",
-        "command": "python benchmarks/bench_pack.py --out " + args.out,
+        "command": shlex.join(["python", "benchmarks/bench_pack.py", *sys.argv[1:]]),
         "timing": "GPU time: CUDA events with a spin kernel queued ahead of each call (host launch overhead "
                   "excluded); per-kernel times from torch.profiler",
         "device": device_info(torch.device("cuda", 0)),

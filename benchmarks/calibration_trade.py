@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shlex
 import sys
 
 import torch
@@ -24,22 +25,15 @@ import report  # noqa: E402  (the repository's report.py: imports this folder as
 
 report.import_pack()
 
-from h3_fused_nvfp4.integration import comfy_env, synthetic as syn  # noqa: E402
-from h3_fused_nvfp4.layout import GLOBAL_SCALE_DIVISOR  # noqa: E402
+from h3_fused_nvfp4.integration import calibrate, comfy_env, synthetic as syn  # noqa: E402
+from h3_fused_nvfp4.integration.report import device_info  # noqa: E402
 
 
-def capture_inputs(blocks, inputs) -> dict[str, torch.Tensor]:
-    """Every NVFP4 layer's input on ComfyUI's path (first call of each layer)."""
-    seen: dict[str, torch.Tensor] = {}
+def run_blocks(blocks, inputs, layer_forward) -> None:
+    """Run ``blocks`` on ``inputs`` with every NVFP4 layer's forward replaced by ``layer_forward(name, layer)``."""
     layers = [(f"blocks.{i}.{p}", b.get_submodule(p)) for i, b in enumerate(blocks) for p in syn.QUANTIZED_LINEARS]
     for name, layer in layers:
-        forward = type(layer).forward.__get__(layer)
-
-        def hook(x, *a, _name=name, _forward=forward, **k):
-            seen.setdefault(_name, x.detach().clone())
-            return _forward(x, *a, **k)
-
-        layer.forward = hook
+        layer.forward = layer_forward(name, layer)
     try:
         x, t_emb, segments, rope = inputs
         h = x.clone()
@@ -49,6 +43,21 @@ def capture_inputs(blocks, inputs) -> dict[str, torch.Tensor]:
     finally:
         for _, layer in layers:
             del layer.__dict__["forward"]
+
+
+def capture_inputs(blocks, inputs) -> dict[str, torch.Tensor]:
+    """Every NVFP4 layer's input on ComfyUI's path (the held-out run)."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def capturing(name, layer):
+        stock = type(layer).forward.__get__(layer)
+
+        def forward(x, *args, **kwargs):
+            seen.setdefault(name, x.detach().clone())
+            return stock(x, *args, **kwargs)
+        return forward
+
+    run_blocks(blocks, inputs, capturing)
     return seen
 
 
@@ -70,28 +79,32 @@ def main() -> int:
     device = "cuda" if cuda else "cpu"
     dims, tokens = (syn.H3_FULL, syn.FULL_TOKENS) if cuda else (syn.H3_SMALL, (19, 46, 245))
     blocks = [syn.make_dit_block(dims, seed=100 + i, device=device) for i in range(2)]
-    calibration = [capture_inputs(blocks, syn.make_block_inputs(dims, tokens, seed=s, device=device)) for s in (1, 2)]
+    recorder = calibrate.CalibrationRecorder()  # what the Calibrate node records, over two inputs
+    for seed in (1, 2):
+        run_blocks(blocks, syn.make_block_inputs(dims, tokens, seed=seed, device=device),
+                   lambda name, layer: calibrate.RecordingForward(layer, name, recorder))
+    stats = recorder.statistics()
+    scales = {h: calibrate.input_scales(stats, h) for h in headrooms}  # what Save Calibrated writes
     held_out = capture_inputs(blocks, syn.make_block_inputs(dims, tokens, seed=3, device=device))
     results = {}
     for name, x in held_out.items():
         layer = blocks[int(name.split(".")[1])].get_submodule(name.split(".", 2)[2])
-        amax = max(float(c[name].abs().amax()) for c in calibration)
+        amax = stats[name]["amax"]
         with torch.inference_mode():
             ref = torch.nn.functional.linear(x, layer.weight.dequantize().to(x.dtype))
             entry = {"held_out_amax": float(x.abs().amax()), "calibrated_amax": amax,
                      "dynamic": relative_error(layer(x), ref)}
             for headroom in headrooms:
                 layer.input_scale = torch.nn.Parameter(
-                    torch.tensor(amax * headroom / GLOBAL_SCALE_DIVISOR, dtype=torch.float32, device=device),
-                    requires_grad=False)
+                    torch.tensor(scales[headroom][name], dtype=torch.float32, device=device), requires_grad=False)
                 try:
                     entry[f"static_headroom_{headroom}"] = relative_error(layer(x), ref)
                 finally:
                     del layer.input_scale
         results[name] = entry
     out = {"benchmark": "relative error of NVFP4 linear outputs vs the bf16 product, dynamic vs static input scale",
-           "command": "python benchmarks/calibration_trade.py",
-           "device": torch.cuda.get_device_name() if cuda else "cpu",
+           "command": shlex.join(["python", "benchmarks/calibration_trade.py", *sys.argv[1:]]),
+           "device": device_info(torch.device(device)),
            "inputs": "random activations through random-weight real ComfyUI DiTBlocks; static scales calibrated on "
                      "two inputs, measured on a third (held out): indicative only",
            "dims": dims.label, "tokens": sum(tokens), "layers": results}

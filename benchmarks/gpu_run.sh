@@ -4,12 +4,13 @@
 #   STEPS="tests report"  bash benchmarks/gpu_run.sh
 #
 # Steps (run in the order given; each has its own time limit STEP_TIMEOUT seconds):
-#   tests          the GPU tests (tests/test_gpu_*.py), ComfyUI's real code
+#   tests          the GPU tests (tests/test_gpu_*.py and the GPU half of tests/test_linear.py), ComfyUI's real code
 #   emulated       the same with H3_FUSED_NVFP4_EMULATE_BLACKWELL=1 (the Blackwell code path, its instructions
 #                  modelled in software: runs on Hopper)
 #   report         python report.py --dram (dynamic scales)         -> report.json
 #   report-static  python report.py --dram --all-static            -> report-static.json
 #   bench-pack     benchmarks/bench_pack.py                        -> pack.json
+#   bench-rope     benchmarks/bench_rope.py                        -> rope.json
 #   trade          benchmarks/calibration_trade.py                 -> calibration-trade.json
 #
 # The machine has no network: .whl/ holds the wheels it lacks (comfy-kitchen, comfy-aimdo, torchsde, trampoline;
@@ -35,7 +36,7 @@ summary=()
 for step in ${STEPS:-tests report}; do
   start=$SECONDS
   case "$step" in
-    tests) timeout "$STEP_TIMEOUT" python3 -m pytest tests/test_gpu_*.py -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} \
+    tests) timeout "$STEP_TIMEOUT" python3 -m pytest tests/test_gpu_*.py tests/test_linear.py -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} \
              > "$OUT/tests.log" 2>&1; rc=$?; tail -3 "$OUT/tests.log" ;;
     emulated) H3_FUSED_NVFP4_EMULATE_BLACKWELL=1 H3_FUSED_NVFP4_CACHE=/tmp/h3_emulated_cache timeout "$STEP_TIMEOUT" \
              python3 -m pytest tests/test_gpu_pack_parity.py tests/test_gpu_block.py tests/test_gpu_selfcheck.py \
@@ -47,6 +48,8 @@ for step in ${STEPS:-tests report}; do
              > "$OUT/report-static.log" 2>&1; rc=$?; tail -8 "$OUT/report-static.log" ;;
     bench-pack) timeout "$STEP_TIMEOUT" python3 benchmarks/bench_pack.py --out "$OUT/pack.json" > "$OUT/pack.log" 2>&1
              rc=$?; tail -12 "$OUT/pack.log" ;;
+    bench-rope) timeout "$STEP_TIMEOUT" python3 benchmarks/bench_rope.py --out "$OUT/rope.json" > "$OUT/rope.log" 2>&1
+             rc=$?; tail -3 "$OUT/rope.log" ;;
     trade) timeout "$STEP_TIMEOUT" python3 benchmarks/calibration_trade.py --out "$OUT/calibration-trade.json" \
              > "$OUT/trade.log" 2>&1; rc=$?; tail -12 "$OUT/trade.log" ;;
     *) echo "unknown step $step"; rc=2 ;;

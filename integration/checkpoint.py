@@ -33,6 +33,7 @@ ComfyUI must be importable: inside ComfyUI it is; standalone call ``comfy_env.im
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -46,17 +47,16 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from ..layout import BLOCK, roundup
+from ..layout import NVFP4_LAYOUT, packed_shapes
 from . import synthetic
 
 Progress = Callable[[int, int, str], None]
 
 NVFP4_FORMAT = "nvfp4"
-NVFP4_LAYOUT = synthetic.NVFP4_LAYOUT
 FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")  # fp8_scaled: fp8 weight, per-tensor fp32 weight_scale
 LEGACY_FP8_MARKER = "scaled_fp8"
 QUANT_METADATA_KEY = "_quantization_metadata"
-DEFAULT_LAYERS = r"blocks\.\d+\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)"
+DEFAULT_LAYERS = r"blocks\.\d+\.(" + "|".join(map(re.escape, synthetic.QUANTIZED_LINEARS)) + ")"
 # A converted Linear's old storage; its bias is copied as it is.
 _REPLACED_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "comfy_quant", "scale_weight",
                       "scale_input")
@@ -429,8 +429,8 @@ class _NVFP4Layer:
         shapes = [("weight_scale_2", "F32", ())]
         if self.input_scale is not None:
             shapes.append(("input_scale", "F32", ()))
-        shapes += [("weight", "U8", (rows16, cols16 // 2)),
-                   ("weight_scale", "F8_E4M3", (roundup(rows16, 128), roundup(cols16 // BLOCK, 4)))]
+        weight_shape, scale_shape = packed_shapes(rows16, cols16)
+        shapes += [("weight", "U8", weight_shape), ("weight_scale", "F8_E4M3", scale_shape)]
         return [PlannedTensor(f"{self.layer}.{suffix}", dtype, shape, lambda s=suffix: self._take(s))
                 for suffix, dtype, shape in shapes]
 
@@ -532,7 +532,7 @@ def convert_to_nvfp4(source_path, dest_path, *, layers: str | Iterable[str] = DE
         if info.legacy_marker is not None and not remaining_legacy:
             dropped.add(info.legacy_marker)
 
-        tag = torch.tensor(list(json.dumps({"format": NVFP4_FORMAT}).encode()), dtype=torch.uint8)
+        tag = synthetic.comfy_quant_tag(NVFP4_FORMAT)
         single = [_copied(handle, info, name) for name in info.tensors if name not in dropped]
         single += [PlannedTensor(f"{layer}.comfy_quant", "U8", tuple(tag.shape), lambda: tag) for layer in chosen]
         single += [_scalar(f"{layer}.input_scale", scale) for layer, scale in scales.items() if layer not in chosen]
@@ -540,9 +540,7 @@ def convert_to_nvfp4(source_path, dest_path, *, layers: str | Iterable[str] = DE
         planned = _file_order(single, groups)
         size = write_safetensors(dest, planned, {**_quant_metadata_after(info, chosen), **(metadata or {})},
                                  progress=progress, overwrite=overwrite)
-    source_formats: dict[str, int] = {}
-    for layer in chosen:
-        source_formats[info.describe(layer)] = source_formats.get(info.describe(layer), 0) + 1
+    source_formats = dict(collections.Counter(info.describe(layer) for layer in chosen))
     return {"dest": dest, "prefix": info.prefix, "converted": [info.relative(layer) for layer in chosen],
             "source_formats": source_formats,
             "input_scales": {info.relative(layer): scale for layer, scale in scales.items()},

@@ -34,8 +34,11 @@ def _is_comfyui(path: pathlib.Path) -> bool:
 
 def find_comfyui() -> ComfyLocation | None:
     """Where the ComfyUI to use lives (see the module docstring), or None."""
-    if "comfy" in sys.modules and getattr(sys.modules["comfy"], "__file__", None):
-        return ComfyLocation(pathlib.Path(sys.modules["comfy"].__file__).resolve().parents[1], "already imported")
+    if _imported is not None:
+        return _imported.location
+    comfy = sys.modules.get("comfy")  # imported by ComfyUI itself (inside its process)
+    if comfy is not None and getattr(comfy, "__path__", None):  # a namespace package: no __file__
+        return ComfyLocation(pathlib.Path(next(iter(comfy.__path__))).resolve().parent, "already imported")
     env = os.environ.get("COMFYUI_PATH")
     if env:
         path = pathlib.Path(env).expanduser().resolve()
@@ -60,8 +63,8 @@ class ComfyUI:
 _imported: ComfyUI | None = None
 
 
-def import_comfyui(cpu: bool | None = None) -> ComfyUI:
-    """Import ComfyUI once per process (``cpu``: None = CPU mode exactly when CUDA is unavailable)."""
+def import_comfyui() -> ComfyUI:
+    """Import ComfyUI once per process, in CPU mode exactly when CUDA is unavailable."""
     global _imported
     if _imported is not None:
         return _imported
@@ -72,8 +75,7 @@ def import_comfyui(cpu: bool | None = None) -> ComfyUI:
         sys.path.insert(0, str(location.root))
     import torch
 
-    if cpu is None:
-        cpu = not torch.cuda.is_available()
+    cpu = not torch.cuda.is_available()
     if "comfy.model_management" not in sys.modules:
         import comfy.options  # noqa: F401  (args parsing stays off: the caller's argv is never parsed)
         from comfy.cli_args import args
@@ -81,12 +83,7 @@ def import_comfyui(cpu: bool | None = None) -> ComfyUI:
         args.cpu = cpu
     import comfy.model_management  # noqa: F401
 
-    try:
-        import comfyui_version
-
-        version = comfyui_version.__version__
-    except ImportError:
-        version = "unknown"
+    version = comfyui_version()
     try:  # main.py registers the public node APIs (comfy_api.latest ...) before loading custom nodes
         import nodes
 
@@ -95,6 +92,16 @@ def import_comfyui(cpu: bool | None = None) -> ComfyUI:
         pass
     _imported = ComfyUI(location, version, cpu)
     return _imported
+
+
+def comfyui_version() -> str:
+    """The importable ComfyUI's ``comfyui_version.__version__``, or "unknown"."""
+    try:
+        import comfyui_version as v
+
+        return v.__version__
+    except ImportError:
+        return "unknown"
 
 
 def h3_importable() -> str | None:

@@ -25,13 +25,11 @@ import threading
 import torch
 
 from ..kernels import ops, runtime
-from ..layout import PackedActivation
+from ..layout import NVFP4_LAYOUT, PackedActivation
 from ..reference import fused_ops as reference_ops
 from . import selfcheck
 
 log = logging.getLogger("h3_fused_nvfp4")
-
-NVFP4_LAYOUT = "TensorCoreNVFP4Layout"
 
 # ---- one log line per fallback reason ----------------------------------------------------------------------
 

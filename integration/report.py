@@ -24,6 +24,7 @@ import json
 import os
 import pathlib
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -32,6 +33,8 @@ import time
 import torch
 
 from . import comfy_env, synthetic as syn
+from ..layout import NVFP4_LAYOUT
+from .selfcheck import package_version
 
 PACK_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEED = 440420
@@ -58,9 +61,11 @@ CATEGORIES = (
     ("amax_reduce", ("reduce_kernel",)),
     ("silu", ("silu",)),
     ("addcmul", ("addcmul",)),
-    ("mul", ("MulFunctor", "mul_kernel")),
-    ("add", ("AddFunctor", "add_kernel", "CUDAFunctor_add")),
-    ("div", ("DivFunctor", "div_true", "MulScalar", "div_kernel")),
+    # amax / 2688: torch runs a division by a Python scalar as a multiply by its reciprocal (BUnaryFunctor)
+    ("scale_finalize", ("BUnaryFunctor", "DivFunctor", "div_true", "MulScalar", "div_kernel")),
+    ("gemm_alpha", ("BinaryFunctor<float, float, float",)),  # fp32 activation scale x weight scale
+    ("mul", ("MulFunctor", "mul_kernel", "BinaryFunctor<c10::BFloat16")),
+    ("add", ("AddFunctor", "add_kernel", "CUDAFunctor_add", "CUDAFunctorOnSelf_add")),
     ("fill", ("FillFunctor", "fill_kernel", "memset", "Memset")),
     ("copy", ("copy", "Memcpy", "cat", "transpose")),
 )
@@ -76,9 +81,13 @@ def categorize(name: str) -> str:
 
 
 def label_kernels(names: list[str]) -> list[str]:
-    """Categories of a kernel sequence, with two rules: a cuBLAS workspace memset counts with the GEMM after it,
-    and a GEMM right after NVFP4 dequantize launches is the emulated NVFP4 GEMM (no FP4 tensor cores)."""
+    """Categories of a kernel sequence, with three rules: a cuBLAS workspace memset counts with the GEMM after it,
+    a GEMM right after NVFP4 dequantize launches is the emulated NVFP4 GEMM (no FP4 tensor cores), and the
+    multiplies right after silu launches are SwiGLU's ``silu(gate) * up`` (not modulation)."""
     cats = [categorize(n) for n in names]
+    for i in range(1, len(cats)):
+        if cats[i] == "mul" and cats[i - 1] == "silu" or cats[i] == "mul" and cats[i - 1] == "swiglu_mul":
+            cats[i] = "swiglu_mul"
     for i, n in enumerate(names):
         if cats[i] == "fill" and "emset" in n and i + 1 < len(cats) and cats[i + 1] in ("gemm", "attention"):
             cats[i] = cats[i + 1]
@@ -95,18 +104,15 @@ def label_kernels(names: list[str]) -> list[str]:
 
 # ---- device measurements -------------------------------------------------------------------------------------
 
-def _version(name: str) -> str:
-    try:
-        from importlib.metadata import version
+def _pack_version() -> str:
+    from .. import __version__
 
-        return version(name)
-    except Exception:
-        return "not installed"
+    return __version__
 
 
 def device_info(device: torch.device) -> dict:
     info = {"torch": torch.__version__, "cuda_runtime": torch.version.cuda, "python": platform.python_version(),
-            "comfy_kitchen": _version("comfy-kitchen")}
+            "comfy_kitchen": package_version("comfy-kitchen")}
     if device.type != "cuda":
         return {"name": "cpu", **info}
     props = torch.cuda.get_device_properties(device)
@@ -171,13 +177,13 @@ def kernel_profile(fn) -> list[dict]:
             for n, c, e in zip(names, cats, events)]
 
 
-def by_category(kernels: list[dict], key: str = "ms") -> dict:
+def by_category(kernels: list[dict]) -> dict:
     out: dict[str, dict] = {}
     for k in kernels:
-        slot = out.setdefault(k["category"], {"launches": 0, key: 0.0})
+        slot = out.setdefault(k["category"], {"launches": 0, "ms": 0.0})
         slot["launches"] += 1
-        slot[key] += k.get(key, 0.0)
-    return {c: {"launches": v["launches"], key: round(v[key], 4)} for c, v in sorted(out.items())}
+        slot["ms"] += k.get("ms", 0.0)
+    return {c: {"launches": v["launches"], "ms": round(v["ms"], 4)} for c, v in sorted(out.items())}
 
 
 # ---- the blocks --------------------------------------------------------------------------------------------
@@ -223,7 +229,7 @@ class BlockChain:
         return self.call(2)
 
 
-def _sections(kernels: list[dict], block_ms: float | None, arm: str, rows: int) -> dict:
+def _sections(kernels: list[dict], block_ms: float | None, arm: str) -> dict:
     cats = by_category(kernels)
 
     def ms(*names):
@@ -239,8 +245,8 @@ def _sections(kernels: list[dict], block_ms: float | None, arm: str, rows: int) 
                     "launches_excluding_gemm_attention_and_emulation": len(rest),
                     "block_ms_median": None if block_ms is None else round(block_ms, 3)},
         "component1_residual": {
-            "modulation_launches": n("mul", "add") if arm == "comfy" else 0,
-            "modulation_total_ms": ms("mul", "add") if arm == "comfy" else 0.0,
+            "modulation_launches": n("mul", "add"),
+            "modulation_total_ms": ms("mul", "add"),
             "gate_add_launches": n("addcmul", "fused_gated_residual", "fused_row_norm"),
             "gate_add_total_ms": ms("addcmul", "fused_gated_residual", "fused_row_norm"),
             "note": "fused: the gated residual kernels also produce the next RMSNorm's statistics and the next "
@@ -254,11 +260,12 @@ def _sections(kernels: list[dict], block_ms: float | None, arm: str, rows: int) 
             "activation_pack_total_ms": ms("comfy_pack", "fused_pack"),
             "absmax_launches": n("abs", "amax_reduce", "fused_absmax"),
             "absmax_total_ms": ms("abs", "amax_reduce", "fused_absmax"),
-            "scale_finalize_launches": n("div"), "block_scale_zero_launches": n("fill"),
+            "scale_finalize_launches": n("scale_finalize"), "gemm_alpha_launches": n("gemm_alpha"),
+            "block_scale_zero_launches": n("fill"),
         },
         "other_boundaries": {
             "layout_copy_launches": n("copy"), "layout_copy_total_ms": ms("copy"),
-            "swiglu_silu_total_ms": ms("silu"), "rms_rope_total_ms": ms("rms_rope", "fused_rms_rope"),
+            "swiglu_silu_total_ms": ms("silu", "swiglu_mul"), "rms_rope_total_ms": ms("rms_rope", "fused_rms_rope"),
             "rms_norm_total_ms": ms("rms_norm"), "row_norm_kernels_ms": ms("fused_row_norm"),
             "non_gemm_non_attention_ms": round(sum(k["ms"] for k in rest), 4),
             "non_gemm_non_attention_launches": len(rest),
@@ -279,10 +286,8 @@ def pack_validation(device, rows: int = 37810) -> dict:
     out = {"validated_feature_widths": [], "rows": rows}
     for k in (5376, 7168, 14336):
         x = (torch.randn((rows, k), generator=gen, device=device) * 3).to(torch.bfloat16)
-        qt = QuantizedTensor.from_float(x, "TensorCoreNVFP4Layout")
-        packed = ops.pack_nvfp4(x) if device.type == "cuda" else None
-        if packed is None:
-            break
+        qt = QuantizedTensor.from_float(x, NVFP4_LAYOUT)
+        packed = ops.pack_nvfp4(x)
         out[str(k)] = {
             "qdata_difference_count": int((packed.qdata != qt._qdata).sum()),
             "block_scale_difference_count": int((packed.block_scales.view(torch.uint8)
@@ -357,7 +362,7 @@ def profile_blocks(args, device) -> dict:
         chain.arm(arm)
         kernels = []
         chain.run(lambda fn: kernels.extend(kernel_profile(fn)))
-        sections[arm] = _sections(kernels, statistics.median(samples[arm]), arm, rows)
+        sections[arm] = _sections(kernels, statistics.median(samples[arm]), arm)
     chain.arm("comfy")
     for key in ("capture", "component1_residual", "nvfp4", "other_boundaries"):
         result[key] = _both(sections["comfy"], sections["fused"], key)
@@ -438,13 +443,16 @@ def dram_bytes(args) -> dict:
         cmd.append("--all-static")
     for layer in args.static_layers or ():
         cmd += ["--static-layers", layer]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.ncu_timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.ncu_timeout)
+    except (OSError, subprocess.SubprocessError) as exc:  # ncu missing or past its time: the rest of the report stays
+        return {"error": f"ncu did not run: {type(exc).__name__}: {exc}", "command": shlex.join(cmd)}
     if proc.returncode != 0 or '"ID"' not in proc.stdout:
         return {"error": f"ncu failed ({proc.returncode}): {(proc.stderr or proc.stdout)[-2000:]}"}
     windows = _parse_ncu(proc.stdout)
     if len(windows) != 2:
         return {"error": f"expected 2 measured windows in the ncu output, found {len(windows)}"}
-    out = {"command": " ".join(cmd[:9]) + " python report.py --ncu-child", "tool": "Nsight Compute",
+    out = {"command": shlex.join(cmd), "tool": "Nsight Compute",
            "scope": "the middle of three warmed blocks, each kernel replayed with flushed caches (ncu default)"}
     for arm, kernels in zip(("comfy", "fused"), windows):
         names = [k["kernel"] for k in kernels]
@@ -506,8 +514,8 @@ def main(argv=None) -> int:
     print(f"  {verdict.summary()}")
     result = {"device": device_info(device),
               "versions": {"comfyui": comfy.version, "comfyui_path": str(comfy.location.root),
-                           "comfyui_found_as": comfy.location.how, "comfy_kitchen": _version("comfy-kitchen"),
-                           "torch": torch.__version__, "pack": _version("h3-fused-nvfp4")},
+                           "comfyui_found_as": comfy.location.how, "comfy_kitchen": package_version("comfy-kitchen"),
+                           "torch": torch.__version__, "pack": _pack_version()},
               "gemm_mode": gemm_mode(device),
               "selfcheck": verdict.to_json() | {"summary": verdict.summary(), "origin": verdict.origin}}
     h3_missing = comfy_env.h3_importable()

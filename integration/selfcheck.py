@@ -35,6 +35,9 @@ import time
 
 import torch
 
+from ..layout import NVFP4_LAYOUT
+from . import comfy_env
+
 log = logging.getLogger("h3_fused_nvfp4")
 
 SELFCHECK_ENV = "H3_FUSED_NVFP4_SELFCHECK"
@@ -45,7 +48,6 @@ KERNEL_OPS = ("global_scale", "pack", "pack_modulate", "pack_norm", "pack_swiglu
 # Ops that compute ComfyUI's dynamic global scale with the shared reduction: off too when "global_scale" fails
 # (a random probe can round its one scale the right way by luck; the global_scale probe cannot).
 USES_GLOBAL_SCALE = ("pack", "pack_modulate", "pack_norm", "pack_swiglu", "rms_norm")
-NVFP4_LAYOUT = "TensorCoreNVFP4Layout"
 
 
 def mode() -> str:
@@ -117,22 +119,14 @@ def _driver_version() -> str:
         return "none"
 
 
-def _package_version(name: str) -> str:
+def package_version(name: str) -> str:
+    """An installed distribution's version, or "not installed"."""
     try:
         from importlib.metadata import version
 
         return version(name)
     except Exception:
-        return "unknown"
-
-
-def comfyui_version() -> str:
-    try:
-        import comfyui_version as v
-
-        return v.__version__
-    except ImportError:
-        return "unknown"
+        return "not installed"
 
 
 def _comfy_class_sources(cls) -> list[str]:
@@ -182,9 +176,9 @@ def environment_key(device: torch.device) -> dict:
     from ..kernels import ops, runtime
 
     key = {"device": str(device), "torch": torch.__version__, "cuda_runtime": str(torch.version.cuda),
-           "comfy_kitchen": _package_version("comfy-kitchen"), "kernels": runtime.source_digest()[:16],
+           "comfy_kitchen": package_version("comfy-kitchen"), "kernels": runtime.source_digest()[:16],
            "defines": repr((ops.kernel_defines(), ops.kernel_defines("h3_rms_rope.cu"))),
-           "pack": pack_source_digest(), "comfyui": comfyui_version(), "h3_code": block_source_hash()}
+           "pack": pack_source_digest(), "comfyui": comfy_env.comfyui_version(), "h3_code": block_source_hash()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         key.update(gpu=props.name, capability=f"{props.major}.{props.minor}", driver=_driver_version())

@@ -18,8 +18,9 @@ import json
 
 import torch
 
+from ..layout import NVFP4_LAYOUT
+
 QUANTIZED_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
-NVFP4_LAYOUT = "TensorCoreNVFP4Layout"
 TAG_VIDEO, TAG_TEXT, TAG_AUDIO = 0, 1, 2  # modality tags of MiniMaxH3Model._forward
 
 
@@ -55,7 +56,7 @@ def h3_ops():
     return comfy.ops.mixed_precision_ops({}, compute_dtype=torch.bfloat16, disabled=[])
 
 
-def _comfy_quant_tag(fmt: str = "nvfp4") -> torch.Tensor:
+def comfy_quant_tag(fmt: str = "nvfp4") -> torch.Tensor:
     return torch.tensor(list(json.dumps({"format": fmt}).encode()), dtype=torch.uint8)
 
 
@@ -69,7 +70,7 @@ def nvfp4_checkpoint_entries(prefix: str, weight: torch.Tensor, input_scale: flo
         f"{p}weight": qt._qdata,
         f"{p}weight_scale": qt._params.block_scale,
         f"{p}weight_scale_2": qt._params.scale.reshape(()).to(torch.float32),
-        f"{p}comfy_quant": _comfy_quant_tag(),
+        f"{p}comfy_quant": comfy_quant_tag(),
     }
     if input_scale is not None:
         entries[f"{p}input_scale"] = torch.tensor(input_scale, dtype=torch.float32, device=weight.device)
@@ -250,10 +251,3 @@ def model_patcher_for(diffusion_model: torch.nn.Module, device=None):
     # size given: ComfyUI would compute it from state_dict(), which refuses inference-mode QuantizedTensors
     return comfy.model_patcher.ModelPatcher(Base(diffusion_model), load_device=device,
                                             offload_device=mm.unet_offload_device(), size=1)
-
-
-def run_block(block, inputs, transformer_options=None):
-    """One ``DiTBlock`` call on a copy of the inputs (the block updates x in place), under inference mode."""
-    x, t_emb, segments, rope = inputs
-    with torch.inference_mode():
-        return block(x.clone(), t_emb, segments, rope, transformer_options=dict(transformer_options or {}))

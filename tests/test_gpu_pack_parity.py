@@ -254,7 +254,7 @@ def test_norm_statistics_and_pack_match_torch_and_comfyui(rows, k, case):
     h = _h3()._mod_scale_shift(_comfy_norm(k, weight)(x), shift, scale, segments)
     fused = fused_pack(x, global_scale=g, modulation=ops.Modulation(scale, shift, index), norm=norm)
     assert_same_pack(fused, *comfy_pack(h), f"normalized pack {case} [{rows}, {k}] seed {seed}")
-    stats_only = RmsNorm(weight, 1e-5, torch.empty(rows, device="cuda"))
+    stats_only = RmsNorm(weight, 1e-5, torch.full((rows,), float("nan"), device="cuda"))  # poisoned
     ops.norm_statistics(x, stats_only)
     assert_bit_identical(stats_only.rstd, norm.rstd, "statistics without the amax")
 

@@ -64,6 +64,8 @@ def _require_nvrtc():
     try:
         runtime.nvrtc()
     except runtime.KernelBuildError as exc:
+        if os.environ.get("CI"):  # CI installs the CUDA-13 torch wheel: NVRTC missing there is a failure
+            raise
         pytest.skip(f"NVRTC not available (install the CUDA-13 torch wheel, ./dev.sh setup does): {exc}")
 
 

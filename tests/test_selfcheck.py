@@ -132,10 +132,14 @@ def test_verdict_is_cached_and_rechecked_when_a_key_part_changes(monkeypatch, ow
     monkeypatch.setattr(selfcheck, "run_kernel_checks", must_not_run)
     cached = selfcheck.kernel_verdict(CPU, fused_ops)
     assert cached.origin == "cached" and cached.ops.keys() == first.ops.keys()
-    selfcheck.forget_verdicts()
-    monkeypatch.setattr(selfcheck, "comfyui_version", lambda: "999.0.0")  # another ComfyUI: check again
-    with pytest.raises(AssertionError, match="cached verdict should have been used"):
-        selfcheck.kernel_verdict(CPU, fused_ops)
+    for owner, name in ((selfcheck.comfy_env, "comfyui_version"),  # another ComfyUI
+                        (selfcheck, "pack_source_digest"),         # an edited or updated pack
+                        (selfcheck, "block_source_hash")):         # changed ComfyUI H3 / NVFP4 code
+        selfcheck.forget_verdicts()
+        with monkeypatch.context() as m:
+            m.setattr(owner, name, lambda: "changed")
+            with pytest.raises(AssertionError, match="cached verdict should have been used"):
+                selfcheck.kernel_verdict(CPU, fused_ops)
 
 
 def test_force_reruns_and_skip_checks_nothing(monkeypatch):
