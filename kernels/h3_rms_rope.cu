@@ -54,26 +54,41 @@ NVFP4_DEVICE float add_ftz(float a, float b) {
 
 // ---- 8 threads per (token, head), 4 consecutive elements (8 bytes) per access ----------------------------------
 // Thread t (t = lane % 8) holds lanes 4t .. 4t+3 of the mapping above: elements e = 4t + j + 32 s (j, s = 0..3),
-// and a warp works on 4 heads. The sum is comfy-kitchen's, term for term: each of the thread's 4 lane partials is
-// its own fma chain over s, and the shfl_down tree is replayed on the lane numbering (lane offsets 16, 8, 4 are
-// shuffles by 4, 2, 1 threads; offsets 2 and 1 are additions inside the thread). Rotation partners are in thread
-// t ^ 4 (for t < 4 slot s pairs with the partner's slot s+1 mod 3, else s+2); 48 is a multiple of 4, so no access
-// straddles a pair boundary.
+// and a warp works on 4 consecutive heads of one token (a "quad"). The sum is comfy-kitchen's, term for term: each of
+// the thread's 4 lane partials is its own fma chain over s, and the shfl_down tree is replayed on the lane numbering
+// (lane offsets 16, 8, 4 are shuffles by 4, 2, 1 threads; offsets 2 and 1 are additions inside the thread). Rotation
+// partners are in thread t ^ 4 (for t < 4 slot s pairs with the partner's slot s+1 mod 3, else s+2); 48 is a
+// multiple of 4, so no access straddles a pair boundary.
+//
+// Memory pipeline: each warp walks a contiguous range of quads and copies the q and k heads of the quads ahead of
+// the one it works on into shared memory with cp.async (ROPE_STAGES quads in flight, no registers held), so DRAM
+// latency is not waited for once per head; results are stored straight to global memory. Waiting for each head's
+// loads ran at 77% of copy bandwidth on the H200 (benchmarks/README.md).
 
-NVFP4_DEVICE void load4(const u16* p, float v[4]) {
-    const u64 w = *reinterpret_cast<const u64*>(p);
+#if !defined(ROPE_STAGES) || ROPE_STAGES < 2
+#error "kernels/ops.py passes ROPE_STAGES (>= 2) as a -D option"
+#endif
+#define ROPE_HEAD_BYTES (ROPE_HEAD_DIM * 2)
+// A staged head takes 320 bytes: with 256 the four groups of a warp would read the same banks (4-way conflicts).
+#define ROPE_STAGED_HEAD_BYTES (ROPE_HEAD_BYTES + 64)
+#define ROPE_STAGE_BYTES (2 * 4 * ROPE_STAGED_HEAD_BYTES)  // q and k of one quad
+#define ROPE_WARPS (ROPE_THREADS / 32)
+
+NVFP4_DEVICE void unpack4(u64 w, float v[4]) {
     v[0] = bf16_lo((u32)w); v[1] = bf16_hi((u32)w); v[2] = bf16_lo((u32)(w >> 32)); v[3] = bf16_hi((u32)(w >> 32));
 }
+NVFP4_DEVICE void load4(const u16* p, float v[4]) { unpack4(*reinterpret_cast<const u64*>(p), v); }
 NVFP4_DEVICE void store4(u16* p, u32 lo, u32 hi) {
     *reinterpret_cast<u64*>(p) = (u64)lo | ((u64)hi << 32);
 }
 
-// Normalized elements n[s][j] of one head, from the 8 threads of its group (group_mask: those lanes).
-NVFP4_DEVICE void rms_normalize(const u16* head, const u16* weight, float head_dim, float eps, u32 t,
+// Normalized elements n[s][j] of one head (x: the thread's 4 slots, read from the staged copy), from the 8 threads of
+// its group (group_mask: those lanes).
+NVFP4_DEVICE void rms_normalize(const u16* staged_head, const u16* weight, float head_dim, float eps, u32 t,
                                 u32 group_mask, float n[4][4]) {
     float x[4][4];
 #pragma unroll
-    for (int s = 0; s < 4; ++s) load4(head + 4 * t + 32 * s, x[s]);
+    for (int s = 0; s < 4; ++s) unpack4(*reinterpret_cast<const u64*>(staged_head + 4 * t + 32 * s), x[s]);
     float v[4];  // v[j]: the partial sum of lane 4t + j
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -106,8 +121,21 @@ NVFP4_DEVICE void rms_normalize(const u16* head, const u16* weight, float head_d
     }
 }
 
+// The rotation coefficients this thread needs, for q and k alike: for slot s < 3 and element j, the two entries of
+// its pair's row in [c, -s, s, c]: (f00, f01) for the first element of a pair, (f10, f11) for the second.
+NVFP4_DEVICE void load_rotation(const u16* freq_row, u32 t, u32 f[3][4]) {
+#pragma unroll
+    for (int s = 0; s < 3; ++s) {
+        const u32 e0 = 4 * t + 32 * s;
+        const bool first = e0 < ROPE_PAIRS;
+        const u32 pair0 = first ? e0 : e0 - ROPE_PAIRS;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) f[s][j] = *reinterpret_cast<const u32*>(freq_row + 4 * (pair0 + j) + (first ? 0 : 2));
+    }
+}
+
 // Rotate and store one head in place (pairs (i, i + ROPE_PAIRS)).
-NVFP4_DEVICE void rotate_store(u16* head, const u16* freq_row, u32 t, u32 group_mask, const float n[4][4]) {
+NVFP4_DEVICE void rotate_store(u16* head, const u32 f[3][4], u32 t, u32 group_mask, const float n[4][4]) {
     float p[3][4];  // the partner's slots 0..2, exchanged as packed bf16 (n is bf16-exact)
 #pragma unroll
     for (int s = 0; s < 3; ++s) {
@@ -120,15 +148,13 @@ NVFP4_DEVICE void rotate_store(u16* head, const u16* freq_row, u32 t, u32 group_
     for (int s = 0; s < 3; ++s) {
         const u32 e0 = 4 * t + 32 * s;              // first element of this slot
         const bool first = e0 < ROPE_PAIRS;         // elements i of pairs (i, i + ROPE_PAIRS)
-        const u32 pair0 = first ? e0 : e0 - ROPE_PAIRS;
         u32 y[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const float partner = low ? p[(s + 1) % 3][j] : p[(s + 2) % 3][j];
-            const u64 f = *reinterpret_cast<const u64*>(freq_row + 4 * (pair0 + j));  // f00 f01 | f10 f11
-            const u32 row0 = (u32)f, row1 = (u32)(f >> 32);
-            y[j] = f32_to_bf16(first ? fma_ftz(n[s][j], bf16_lo(row0), mul_ftz(partner, bf16_hi(row0)))
-                                     : fma_ftz(partner, bf16_lo(row1), mul_ftz(n[s][j], bf16_hi(row1))));
+            // first: (f00, f01) = (lo, hi) of f; second: (f10, f11)
+            y[j] = f32_to_bf16(first ? fma_ftz(n[s][j], bf16_lo(f[s][j]), mul_ftz(partner, bf16_hi(f[s][j])))
+                                     : fma_ftz(partner, bf16_lo(f[s][j]), mul_ftz(n[s][j], bf16_hi(f[s][j]))));
         }
         store4(head + e0, y[0] | (y[1] << 16), y[2] | (y[3] << 16));
     }
@@ -136,23 +162,63 @@ NVFP4_DEVICE void rotate_store(u16* head, const u16* freq_row, u32 t, u32 group_
     store4(head + 4 * t + ROPE_ROT_DIM, pack_bf16x2(n[3][0], n[3][1]), pack_bf16x2(n[3][2], n[3][3]));
 }
 
-// q, k rows and the norm weights must be 8-byte aligned (kernels/ops.py checks).
-extern "C" __global__ void __launch_bounds__(ROPE_THREADS) h3_rms_rope_split_half(const RmsRopeParams p) {
-    const u32 lane = threadIdx.x & 31, t = lane % ROPE_THREADS_PER_HEAD;
-    const u32 group_mask = 0xFFu << (lane & ~7u);
-    const u32 groups_total = gridDim.x * (ROPE_THREADS / ROPE_THREADS_PER_HEAD);
-    const u32 items = (u32)p.tokens * (u32)p.heads;
-    const float head_dim = (float)ROPE_HEAD_DIM;
-    for (u32 item = (blockIdx.x * ROPE_THREADS + threadIdx.x) / ROPE_THREADS_PER_HEAD; item < items;
-         item += groups_total) {
-        const u32 token = item / (u32)p.heads;
-        const u32 h = item - token * (u32)p.heads;
-        const i64 offset = (i64)token * p.row_stride + (i64)h * ROPE_HEAD_DIM;
-        const u16* freq_row = p.freqs + (i64)token * ROPE_PAIRS * 4;
-        float nq[4][4], nk[4][4];
-        rms_normalize(p.q + offset, p.q_weight, head_dim, p.eps, t, group_mask, nq);
-        rms_normalize(p.k + offset, p.k_weight, head_dim, p.eps, t, group_mask, nk);
-        rotate_store(p.q + offset, freq_row, t, group_mask, nq);
-        rotate_store(p.k + offset, freq_row, t, group_mask, nk);
+// Copy quad `item`'s q and k heads into a stage: 16 bytes per lane and copy (4 heads x 16 pieces per tensor).
+NVFP4_DEVICE void stage_quad(const RmsRopeParams& p, u32 item, u32 quads, u32 lane, u32 stage_base) {
+    const u32 token = item / quads, head0 = (item - token * quads) * 4;
+    const i64 row = (i64)token * p.row_stride + (i64)head0 * ROPE_HEAD_DIM;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u32 piece = lane + 32 * (i & 1), head = piece / 16, tensor = i >> 1;  // 64 pieces per tensor
+        if (head0 + head < (u32)p.heads) {
+            const u16* src = (tensor ? p.k : p.q) + row + head * ROPE_HEAD_DIM + (piece % 16) * 8;
+            const u32 dst = stage_base + (tensor * 4 + head) * ROPE_STAGED_HEAD_BYTES + (piece % 16) * 16;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+        }
     }
+}
+
+extern __shared__ __align__(16) u8 rope_stages[];
+
+// q, k rows 16-byte aligned, norm weights and rope table 8-byte aligned (kernels/ops.py checks).
+extern "C" __global__ void __launch_bounds__(ROPE_THREADS) h3_rms_rope_split_half(const RmsRopeParams p) {
+    const u32 lane = threadIdx.x & 31, t = lane % ROPE_THREADS_PER_HEAD, group = lane / ROPE_THREADS_PER_HEAD;
+    const u32 group_mask = 0xFFu << (lane & ~7u);
+    const u32 quads = ((u32)p.heads + 3) / 4;
+    const u64 items = (u64)p.tokens * quads;
+    const u64 warps = (u64)gridDim.x * ROPE_WARPS, warp = (u64)blockIdx.x * ROPE_WARPS + threadIdx.x / 32;
+    const u32 begin = (u32)(items * warp / warps), end = (u32)(items * (warp + 1) / warps);
+    const u8* warp_stages = rope_stages + (threadIdx.x / 32) * (ROPE_STAGES * ROPE_STAGE_BYTES);
+    const u32 stages = (u32)__cvta_generic_to_shared(warp_stages);  // cp.async takes shared-window addresses
+    const float head_dim = (float)ROPE_HEAD_DIM;
+
+#pragma unroll
+    for (int s = 0; s < ROPE_STAGES - 1; ++s) {
+        if (begin + s < end) stage_quad(p, begin + s, quads, lane, stages + s * ROPE_STAGE_BYTES);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+    u32 slot = 0;
+    for (u32 item = begin; item < end; ++item) {
+        const u32 ahead = item + ROPE_STAGES - 1;
+        const u32 ahead_slot = slot == 0 ? ROPE_STAGES - 1 : slot - 1;  // = (slot + ROPE_STAGES - 1) % ROPE_STAGES
+        if (ahead < end) stage_quad(p, ahead, quads, lane, stages + ahead_slot * ROPE_STAGE_BYTES);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        asm volatile("cp.async.wait_group %0;" :: "n"(ROPE_STAGES - 1) : "memory");
+        __syncwarp();  // the other lanes' copies of this quad are complete and visible
+
+        const u32 token = item / quads, h = (item - token * quads) * 4 + group;
+        if (h < (u32)p.heads) {
+            const u16* staged = reinterpret_cast<const u16*>(warp_stages + slot * ROPE_STAGE_BYTES);
+            const i64 offset = (i64)token * p.row_stride + (i64)h * ROPE_HEAD_DIM;
+            u32 f[3][4];
+            load_rotation(p.freqs + (i64)token * ROPE_PAIRS * 4, t, f);
+            float n[4][4];
+            rms_normalize(staged + group * (ROPE_STAGED_HEAD_BYTES / 2), p.q_weight, head_dim, p.eps, t, group_mask, n);
+            rotate_store(p.q + offset, f, t, group_mask, n);
+            rms_normalize(staged + (4 + group) * (ROPE_STAGED_HEAD_BYTES / 2), p.k_weight, head_dim, p.eps, t, group_mask, n);
+            rotate_store(p.k + offset, f, t, group_mask, n);
+        }
+        __syncwarp();  // every lane is done with this stage before a later iteration refills it
+        slot = slot + 1 == ROPE_STAGES ? 0 : slot + 1;
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
 }

@@ -27,8 +27,8 @@
 // logical thread t sums the squares of the 4-element vectors t, t + 128, ... (fma.rn from 0, elements in order);
 // a shfl_down tree 16, 8, 4, 2, 1 of add.rn per warp; S = (W0 + W2) + (W1 + W3); var = div.rn(S, float(K));
 // rstd = rsqrt.approx.f32(add.rn(var, float(eps))) (non-ftz); n = bf16(mul.rn(w, mul.rn(rstd, x))). Here one warp
-// holds a row, each lane four of torch's logical threads (row_norm_body says which), so the four partial sums and
-// the tree replay torch's exactly.
+// (h3_row_norm_stats / _amax) or two (the residual kernels) hold a row, each lane four or two of torch's logical
+// threads (row_norm_body and residual_norm_body say which), so the partial sums and the tree replay torch's exactly.
 //
 // Thread mapping of the pack. One warp packs one row at a time. The padded scale matrix has
 // U = roundup(K/16, 4)/4 column groups per row; a group covers 64 input columns and owns 4 contiguous scale bytes
@@ -43,9 +43,10 @@
 #include "nvfp4_common.cuh"
 
 // Launch shape: kernels/ops.py (LAUNCH) is the one source of these values and passes them as -D options.
-#if !defined(ITEMS) || !defined(PLAIN_ITEMS) || !defined(PACK_THREADS) || !defined(SILU_TABLE_THREADS) ||          \
+#if !defined(ITEMS) || !defined(PLAIN_ITEMS) || !defined(SWIGLU_ITEMS) || !defined(PACK_THREADS) || !defined(SILU_TABLE_THREADS) ||          \
     !defined(ABSMAX_THREADS) || !defined(RESIDUAL_THREADS) || !defined(ROW_NORM_THREADS) ||                         \
-    !defined(ROW_NORM_MAX_STEPS)
+    !defined(ROW_NORM_MAX_STEPS) || !defined(ROW_NORM_BATCH) || !defined(RESIDUAL_NORM_THREADS) ||   \
+    !defined(RESIDUAL_NORM_BATCH) || !defined(RESIDUAL_AMAX_BATCH) || !defined(RESIDUAL_NORM_MIN_CTAS)
 #error "kernels/ops.py passes the launch constants (ITEMS, PLAIN_ITEMS, PACK_THREADS, ...) as -D options"
 #endif
 
@@ -121,11 +122,15 @@ struct RowNormParams {
 
 // ---- sources ---------------------------------------------------------------------------------------------
 
+// Each source splits its addressing into a per-row part (Row, formed once per row: the loop's stores would force
+// the row's index, rstd and table pointers to be re-read from memory for every block) and per-column loads.
 struct PlainSource {
+    struct Row { const u16* x; };
+    static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return Row{p.x + r * p.x_row_stride}; }
     // Through L1: each lane reads 32 contiguous bytes in two 16-byte loads, and the second load of each sector
     // hits L1 (measured 12% faster on the H200 than L1::no_allocate).
-    static __device__ __forceinline__ void load(const SourceParams& p, i64 row, i64 col, u32 w[4]) {
-        u32x4 v = load_16B(p.x + row * p.x_row_stride + col);
+    static __device__ __forceinline__ void load(const SourceParams& p, const Row& r, i64 col, u32 w[4]) {
+        u32x4 v = load_16B(r.x + col);
         w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
     }
 };
@@ -139,11 +144,15 @@ NVFP4_DEVICE u32 modulate_x2(u32 x, u32 scale, u32 shift) {
 // three bf16x2 operations (each one rounding, the same as torch's fp32 opmath for bf16 operands; see
 // nvfp4_common.cuh), two values per instruction.
 struct ModulateSource {
-    static __device__ __forceinline__ void load(const SourceParams& p, i64 row, i64 col, u32 w[4]) {
-        u32x4 x = load_16B_stream(p.x + row * p.x_row_stride + col);
-        i64 m = p.mod_index[row];
-        u32x4 s = load_16B(p.mod_scale + m * p.mod_row_stride + col);
-        u32x4 t = load_16B(p.mod_shift + m * p.mod_row_stride + col);
+    struct Row { const u16* x; const u16* scale; const u16* shift; };
+    static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) {
+        const i64 m = p.mod_index[r];
+        return Row{p.x + r * p.x_row_stride, p.mod_scale + m * p.mod_row_stride, p.mod_shift + m * p.mod_row_stride};
+    }
+    static __device__ __forceinline__ void load(const SourceParams& p, const Row& r, i64 col, u32 w[4]) {
+        u32x4 x = load_16B_stream(r.x + col);
+        u32x4 s = load_16B(r.scale + col);
+        u32x4 t = load_16B(r.shift + col);
         const u32 xs[4] = {x.x, x.y, x.z, x.w}, ss[4] = {s.x, s.y, s.z, s.w}, ts[4] = {t.x, t.y, t.z, t.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) w[i] = modulate_x2(xs[i], ss[i], ts[i]);
@@ -160,13 +169,14 @@ NVFP4_DEVICE u32 rms_norm_x2(u32 x, u32 w, float rstd) {
 // RMSNorm folded in front of the modulation: n = bf16(w * (rstd * x)) with rstd from h3_row_norm_* (torch's
 // rms_norm output, element for element), then ModulateSource's three roundings.
 struct NormModulateSource {
-    static __device__ __forceinline__ void load(const SourceParams& p, i64 row, i64 col, u32 w[4]) {
-        u32x4 x = load_16B_stream(p.x + row * p.x_row_stride + col);
+    struct Row { ModulateSource::Row mod; float rstd; };
+    static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return Row{ModulateSource::row(p, r), p.rstd[r]}; }
+    static __device__ __forceinline__ void load(const SourceParams& p, const Row& row, i64 col, u32 w[4]) {
+        u32x4 x = load_16B_stream(row.mod.x + col);
         u32x4 nw = load_16B(p.norm_weight + col);
-        const float r = p.rstd[row];
-        i64 m = p.mod_index[row];
-        u32x4 s = load_16B(p.mod_scale + m * p.mod_row_stride + col);
-        u32x4 t = load_16B(p.mod_shift + m * p.mod_row_stride + col);
+        const float r = row.rstd;
+        u32x4 s = load_16B(row.mod.scale + col);
+        u32x4 t = load_16B(row.mod.shift + col);
         const u32 xs[4] = {x.x, x.y, x.z, x.w}, ws[4] = {nw.x, nw.y, nw.z, nw.w};
         const u32 ss[4] = {s.x, s.y, s.z, s.w}, ts[4] = {t.x, t.y, t.z, t.w};
 #pragma unroll
@@ -195,8 +205,10 @@ struct SiluLookedUp {
 
 template <class Silu>
 struct SwigluSource {
-    static __device__ __forceinline__ void load(const SourceParams& p, i64 row, i64 col, u32 w[4]) {
-        const u16* base = p.x + row * p.x_row_stride + col;
+    using Row = PlainSource::Row;
+    static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return PlainSource::row(p, r); }
+    static __device__ __forceinline__ void load(const SourceParams& p, const Row& r, i64 col, u32 w[4]) {
+        const u16* base = r.x + col;
         u32x4 g = load_16B_stream(base);
         u32x4 u = load_16B_stream(base + p.up_offset);
         const u32 gs[4] = {g.x, g.y, g.z, g.w}, us[4] = {u.x, u.y, u.z, u.w};
@@ -253,7 +265,7 @@ __device__ __forceinline__ void absmax_body(const AbsmaxParams& p) {
             u32 c = base + (u32)i * blockDim.x;
             if (c < total) {
                 u32 row = c / chunks_per_row;
-                Source::load(s, (i64)row, (i64)(c - row * chunks_per_row) * 8, w[i]);
+                Source::load(s, Source::row(s, (i64)row), (i64)(c - row * chunks_per_row) * 8, w[i]);
             } else {
                 w[i][0] = w[i][1] = w[i][2] = w[i][3] = 0;
             }
@@ -334,14 +346,16 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
         const bool data_row = row < rows;
         const bool packed_row = row < rows16;
         u8* qrow = p.qdata + (u64)row * (cols / 2);
+        typename Source::Row src_row;  // pad rows have no index, rstd or input row: never read
+        if (data_row) src_row = Source::row(s, (i64)row);
         for (u32 c0 = 0; c0 < lanes_per_row; c0 += 32 * Items) {
             u32 w[Items][8];
 #pragma unroll
             for (int i = 0; i < Items; ++i) {
                 const u32 col = (c0 + 32 * i + lane) * 16;
                 if (data_row && col < cols) {
-                    Source::load(s, (i64)row, (i64)col, w[i]);
-                    Source::load(s, (i64)row, (i64)col + 8, w[i] + 4);
+                    Source::load(s, src_row, (i64)col, w[i]);
+                    Source::load(s, src_row, (i64)col + 8, w[i] + 4);
                 } else {
 #pragma unroll
                     for (int j = 0; j < 8; ++j) w[i][j] = 0;
@@ -404,97 +418,254 @@ __device__ __forceinline__ void gated_residual_body(const GatedResidualParams& p
 
 // ---- RMSNorm statistics (optionally after the gated residual), and the next projection's amax ----------------
 
-// One warp per row, 512 columns per step: lane p holds columns 512 s + 8 p .. + 7 and 512 s + 256 + 8 p .. + 7, i.e.
-// the 4-element vectors of torch's logical threads 2p, 2p + 1 (its warp p / 16) and 64 + 2p, 65 + 2p (its warp
-// 2 + p / 16), so every load and store instruction of a warp covers 512 contiguous bytes. rstd needs the whole row
-// before any normalized value can be formed: the amax pass reads the row from the warp's slice of shared memory
-// (ROW_NORM_MAX_STEPS * 1 KB), where the first pass left it. Measured on the H200: keeping the row in registers took
-// 177 registers and ran 1.6x slower; re-reading it from L2 lost 45% of the rows to eviction (+0.18 GB of DRAM reads).
+// One warp per row, 256 columns per chunk: in chunk c lane p holds columns 256 c + 8 p .. + 7, i.e. the 4-element
+// vectors of torch's logical threads 64 (c % 2) + 2p and 64 (c % 2) + 2p + 1 (a 512-column step of torch's 128
+// threads is two chunks), so every load and store instruction of a warp covers 512 contiguous bytes. rstd needs
+// the whole row before any normalized value can be formed: the amax pass reads the row from the warp's slice of
+// shared memory (ROW_NORM_MAX_STEPS * 1 KB), where the first pass left it; each lane only ever touches its own
+// chunks there, so no barrier is needed.
+//
+// Latency. The residual kernels (below) copy the next row's x and other into shared memory with cp.async while they
+// finish the current row, and issue their L2 loads (gate, norm weight, modulation rows) RESIDUAL_NORM_BATCH /
+// RESIDUAL_AMAX_BATCH chunks at a time. Measured on the H200 at 37,810 x 5376 (benchmarks/README.md): one chunk
+// at a time into registers 0.41-0.49 ms, the cp.async row copy 0.39 ms, and two warps per row 0.38 ms. Also
+// slower there: the whole row in registers (177 registers, 1.6x) and re-reading it from L2 (45% of the rows
+// evicted first, +0.18 GB). The non-residual kernels load x into registers ROW_NORM_BATCH chunks at a time.
+#define ROW_NORM_CHUNKS (2 * ROW_NORM_MAX_STEPS)
+#define ROW_NORM_STAGE_WORDS (ROW_NORM_MAX_STEPS * 256)  // one staged row, bf16x2 words
+#if ROW_NORM_BATCH % 2
+#error "ROW_NORM_BATCH must be even (a batch starts at an even chunk: the partial sums are indexed by c % 2)"
+#endif
 extern __shared__ __align__(16) u32 row_shared[];
-template <bool Residual, bool Amax>
+
+// Sums of squares of torch's logical threads 2p + j (+ 64 in odd chunks) over one chunk: 4 elements each, in order.
+NVFP4_DEVICE void add_squares(const u32 w[4], float sums[2]) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const float e0 = bf16_lo(w[2 * j]), e1 = bf16_hi(w[2 * j]);
+        const float e2 = bf16_lo(w[2 * j + 1]), e3 = bf16_hi(w[2 * j + 1]);
+        float& s = sums[j];
+        s = __fmaf_rn(e0, e0, s);
+        s = __fmaf_rn(e1, e1, s);
+        s = __fmaf_rn(e2, e2, s);
+        s = __fmaf_rn(e3, e3, s);
+    }
+}
+
+// torch's rstd from the four partial sums every lane holds (part[2 * odd + j]: logical thread 64 odd + 2p + j).
+NVFP4_DEVICE float torch_rstd(float part[4], float n_f, float eps) {
+    // torch's warp tree on logical lanes 2q + j (q = lane % 16): offsets 16, 8, 4, 2 are shuffles by 8, 4, 2, 1
+    // lanes inside each half-warp; offset 1 adds the two partials a lane holds.
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) part[j] = __fadd_rn(part[j], __shfl_down_sync(0xFFFFFFFFu, part[j], off, 16));
+    }
+    // lane 0 holds torch's warps 0 (even chunks) and 2 (odd chunks), lane 16 warps 1 and 3: S = (W0 + W2) + (W1 + W3)
+    const float pair = __fadd_rn(__fadd_rn(part[0], part[1]), __fadd_rn(part[2], part[3]));
+    float total = __fadd_rn(pair, __shfl_down_sync(0xFFFFFFFFu, pair, 16));
+    total = __shfl_sync(0xFFFFFFFFu, total, 0);
+    float rstd;
+    asm("rsqrt.approx.f32 %0, %1;" : "=f"(rstd) : "f"(__fadd_rn(__fdiv_rn(total, n_f), eps)));
+    return rstd;
+}
+
+// The amax pass: |modulate(rms_norm(x))| of the staged row folded into acc, the L2 loads of Batch chunks at a time.
+template <int Batch>
+__device__ __forceinline__ u32 staged_row_amax(u32 acc, const u32* staged, const RowNormParams& p, i64 m, float rstd,
+                                               u32 lane) {
+    const u32 cols = (u32)p.cols;
+    const u16* sc_row = p.mod_scale + m * p.mod_row_stride;
+    const u16* sh_row = p.mod_shift + m * p.mod_row_stride;
+#pragma unroll 1  // a batch at a time (unrolled, the scheduler hoisted every chunk's loads and spilled)
+    for (int c0 = 0; c0 < ROW_NORM_CHUNKS; c0 += Batch) {
+        u32x4 xv[Batch], nw[Batch], sc[Batch], sh[Batch];
+#pragma unroll
+        for (int b = 0; b < Batch; ++b) {
+            const u32 col = 256u * (c0 + b) + 8u * lane;
+            if (c0 + b >= ROW_NORM_CHUNKS || col >= cols) continue;  // cols % 16 == 0: a lane's 8 are in or out
+            xv[b] = *reinterpret_cast<const u32x4*>(staged + col / 2);
+            nw[b] = load_16B(p.norm_weight + col);
+            sc[b] = load_16B(sc_row + col);
+            sh[b] = load_16B(sh_row + col);
+        }
+#pragma unroll
+        for (int b = 0; b < Batch; ++b) {
+            const u32 col = 256u * (c0 + b) + 8u * lane;
+            if (c0 + b >= ROW_NORM_CHUNKS || col >= cols) continue;
+            const u32 xs[4] = {xv[b].x, xv[b].y, xv[b].z, xv[b].w}, ws[4] = {nw[b].x, nw[b].y, nw[b].z, nw[b].w};
+            const u32 ss[4] = {sc[b].x, sc[b].y, sc[b].z, sc[b].w}, ts[4] = {sh[b].x, sh[b].y, sh[b].z, sh[b].w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc = abs_bits_max_x2(acc, modulate_x2(rms_norm_x2(xs[i], ws[i], rstd), ss[i], ts[i]));
+        }
+    }
+    return acc;
+}
+
+// Statistics of x itself (no residual): x loaded into registers ROW_NORM_BATCH chunks at a time.
+template <bool Amax>
 __device__ __forceinline__ void row_norm_body(const RowNormParams& p) {
     const u32 lane = threadIdx.x & 31;
     const u32 cols = (u32)p.cols, rows = (u32)p.rows;
     const u32 warps_total = gridDim.x * (blockDim.x >> 5);
-    const float n_f = (float)cols;
     u32 acc = 0;  // amax of |h| as bf16x2 bit patterns (NaN above inf)
-    u32* staged = row_shared + (threadIdx.x >> 5) * (ROW_NORM_MAX_STEPS * 256);  // this warp's row, bf16x2 words
+    u32* staged = row_shared + (threadIdx.x >> 5) * ROW_NORM_STAGE_WORDS;
 
     for (u32 row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; row < rows; row += warps_total) {
-        u16* xrow = p.x + (i64)row * p.x_row_stride;
-        const i64 m = (Residual || Amax) ? (i64)p.mod_index[row] : 0;
-        // sums of squares of torch's logical threads 2p, 2p + 1, 64 + 2p, 65 + 2p
+        const u16* xrow = p.x + (i64)row * p.x_row_stride;
         float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 1
+        for (int c0 = 0; c0 < ROW_NORM_CHUNKS; c0 += ROW_NORM_BATCH) {
+            u32x4 xv[ROW_NORM_BATCH];
 #pragma unroll
-        for (int step = 0; step < ROW_NORM_MAX_STEPS; ++step) {
+            for (int b = 0; b < ROW_NORM_BATCH; ++b) {  // all loads of the batch first
+                const u32 col = 256u * (c0 + b) + 8u * lane;
+                if (c0 + b < ROW_NORM_CHUNKS && col < cols) xv[b] = load_16B(xrow + col);
+            }
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const u32 col = 512u * step + 256u * half + 8u * lane;
-                if (col >= cols) continue;  // cols is a multiple of 16: a chunk is in or out as a whole
-                u32x4 a = load_16B_coherent(xrow + col);
-                u32 w[4] = {a.x, a.y, a.z, a.w};
-                if (Residual) {
-                    u32x4 o = load_16B_stream(p.other + (i64)row * p.other_row_stride + col);
-                    u32x4 g = load_16B(p.gate + m * p.gate_row_stride + col);
-                    const u32 os[4] = {o.x, o.y, o.z, o.w}, gs[4] = {g.x, g.y, g.z, g.w};
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {  // torch's addcmul_: see gated_add
-                        w[i] = pack_bf16x2(gated_add(bf16_lo(w[i]), bf16_lo(os[i]), bf16_lo(gs[i])),
-                                           gated_add(bf16_hi(w[i]), bf16_hi(os[i]), bf16_hi(gs[i])));
-                    }
-                    store_16B(xrow + col, u32x4{w[0], w[1], w[2], w[3]});
-                }
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {  // logical thread 2p + j (+ 64 for the second half): 4 elements in order
-                    const float e0 = bf16_lo(w[2 * j]), e1 = bf16_hi(w[2 * j]);
-                    const float e2 = bf16_lo(w[2 * j + 1]), e3 = bf16_hi(w[2 * j + 1]);
-                    float& s = part[2 * half + j];
-                    s = __fmaf_rn(e0, e0, s);
-                    s = __fmaf_rn(e1, e1, s);
-                    s = __fmaf_rn(e2, e2, s);
-                    s = __fmaf_rn(e3, e3, s);
-                }
-                // each lane reads back only its own words below: no barrier needed
-                if (Amax) *reinterpret_cast<u32x4*>(staged + col / 2) = u32x4{w[0], w[1], w[2], w[3]};
+            for (int b = 0; b < ROW_NORM_BATCH; ++b) {
+                const u32 col = 256u * (c0 + b) + 8u * lane;
+                if (c0 + b >= ROW_NORM_CHUNKS || col >= cols) continue;
+                const u32 w[4] = {xv[b].x, xv[b].y, xv[b].z, xv[b].w};
+                add_squares(w, part + 2 * (b & 1));
+                if (Amax) *reinterpret_cast<u32x4*>(staged + col / 2) = xv[b];
             }
         }
-        // torch's warp tree on logical lanes 2q + j (q = lane % 16): offsets 16, 8, 4, 2 are shuffles by 8, 4, 2, 1
-        // lanes inside each half-warp; offset 1 adds the two partials a lane holds.
+        const float rstd = torch_rstd(part, (float)cols, p.eps);
+        if (lane == 0) p.rstd[row] = rstd;
+        if (Amax) acc = staged_row_amax<ROW_NORM_BATCH>(acc, staged, p, (i64)p.mod_index[row], rstd, lane);
+    }
+    if (Amax) absmax_finish<ROW_NORM_THREADS>(p.out, acc);
+}
+
+// ---- the residual kernels: two warps per row ----------------------------------------------------------------
+// Warp h (h = 0, 1) of a CTA takes the chunks c = 2k + h of the CTA's row, i.e. torch's warps 2h and 2h + 1, and
+// stages its half of x and other (k-th chunk at word 128 k); after the tree each warp holds two of torch's four
+// warp sums, exchanged through shared memory, and both form S = (W0 + W2) + (W1 + W3). Half a row per warp halves
+// each warp's chain of L2 round trips and the shared memory per warp (11 KB: 20 warps per H200 SM).
+#define HALF_ROW_WORDS (ROW_NORM_MAX_STEPS * 128)
+#if RESIDUAL_NORM_THREADS != 64
+#error "the residual kernels run one row per CTA of two warps"
+#endif
+
+// This lane's chunks of one half row, global -> shared (16-byte cp.async each).
+NVFP4_DEVICE void copy_half_row_async(u32 shared_addr, const u16* src, u32 half, u32 lane, u32 cols) {
+#pragma unroll
+    for (int k = 0; k < ROW_NORM_MAX_STEPS; ++k) {
+        const u32 col = 256u * (2 * k + half) + 8u * lane;
+        if (col < cols) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(shared_addr + 16 * (32 * k + lane)), "l"(src + col) : "memory");
+    }
+}
+NVFP4_DEVICE void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+NVFP4_DEVICE void wait_copies() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// The amax pass over this warp's staged half row (its own chunks only), the L2 loads of Batch chunks at a time.
+template <int Batch>
+__device__ __forceinline__ u32 staged_half_row_amax(u32 acc, const u32* staged, const RowNormParams& p, i64 m,
+                                                    float rstd, u32 half, u32 lane) {
+    const u32 cols = (u32)p.cols;
+    const u16* sc_row = p.mod_scale + m * p.mod_row_stride;
+    const u16* sh_row = p.mod_shift + m * p.mod_row_stride;
+#pragma unroll 1
+    for (int k0 = 0; k0 < ROW_NORM_MAX_STEPS; k0 += Batch) {
+        u32x4 nw[Batch], sc[Batch], sh[Batch];
+#pragma unroll
+        for (int b = 0; b < Batch; ++b) {
+            const u32 col = 256u * (2 * (k0 + b) + half) + 8u * lane;
+            if (k0 + b >= ROW_NORM_MAX_STEPS || col >= cols) continue;
+            nw[b] = load_16B(p.norm_weight + col);
+            sc[b] = load_16B(sc_row + col);
+            sh[b] = load_16B(sh_row + col);
+        }
+#pragma unroll
+        for (int b = 0; b < Batch; ++b) {
+            const u32 col = 256u * (2 * (k0 + b) + half) + 8u * lane;
+            if (k0 + b >= ROW_NORM_MAX_STEPS || col >= cols) continue;
+            const u32x4 xv = *reinterpret_cast<const u32x4*>(staged + 4 * (32 * (k0 + b) + lane));  // shared: no batch
+            const u32 xs[4] = {xv.x, xv.y, xv.z, xv.w}, ws[4] = {nw[b].x, nw[b].y, nw[b].z, nw[b].w};
+            const u32 ss[4] = {sc[b].x, sc[b].y, sc[b].z, sc[b].w}, ts[4] = {sh[b].x, sh[b].y, sh[b].z, sh[b].w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc = abs_bits_max_x2(acc, modulate_x2(rms_norm_x2(xs[i], ws[i], rstd), ss[i], ts[i]));
+        }
+    }
+    return acc;
+}
+
+// x[r] += other[r] * gate[m], then the statistics (and the amax) of the new x. The next row's x and other are copied
+// into shared memory while the current one is finished (other during the statistics and amax pass, x after it).
+template <bool Amax>
+__device__ __forceinline__ void residual_norm_body(const RowNormParams& p) {
+    const u32 lane = threadIdx.x & 31, half = threadIdx.x >> 5;
+    const u32 cols = (u32)p.cols, rows = (u32)p.rows;
+    u32 acc = 0;
+    u32* staged = row_shared + half * (2 * HALF_ROW_WORDS);  // x, updated in place, then read by the amax pass
+    const u32* other_staged = staged + HALF_ROW_WORDS;
+    const u32 x_shared = (u32)__cvta_generic_to_shared(staged), other_shared = x_shared + 4 * HALF_ROW_WORDS;
+    __shared__ float warp_sums[2][2][2];  // [row parity][half][torch warp 2 half + (0, 1)]
+
+    u32 row = blockIdx.x, parity = 0;
+    if (row < rows) {
+        copy_half_row_async(x_shared, p.x + (i64)row * p.x_row_stride, half, lane, cols);
+        copy_half_row_async(other_shared, p.other + (i64)row * p.other_row_stride, half, lane, cols);
+    }
+    commit_copies();
+    for (; row < rows; row += gridDim.x, parity ^= 1) {
+        const u32 next = row + gridDim.x;
+        u16* xrow = p.x + (i64)row * p.x_row_stride;
+        const i64 m = (i64)p.mod_index[row];
+        const u16* grow = p.gate + m * p.gate_row_stride;
+        float part[2] = {0.0f, 0.0f};  // torch's logical threads 64 half + 2 lane + j
+        wait_copies();  // this row's x and other (the lane's own chunks)
+#pragma unroll 1
+        for (int k0 = 0; k0 < ROW_NORM_MAX_STEPS; k0 += RESIDUAL_NORM_BATCH) {
+            u32x4 gv[RESIDUAL_NORM_BATCH];
+#pragma unroll
+            for (int b = 0; b < RESIDUAL_NORM_BATCH; ++b) {
+                const u32 col = 256u * (2 * (k0 + b) + half) + 8u * lane;
+                if (k0 + b < ROW_NORM_MAX_STEPS && col < cols) gv[b] = load_16B(grow + col);
+            }
+#pragma unroll
+            for (int b = 0; b < RESIDUAL_NORM_BATCH; ++b) {
+                const u32 col = 256u * (2 * (k0 + b) + half) + 8u * lane;
+                if (k0 + b >= ROW_NORM_MAX_STEPS || col >= cols) continue;
+                const u32 slot = 4 * (32 * (k0 + b) + lane);
+                const u32x4 xv = *reinterpret_cast<const u32x4*>(staged + slot);
+                const u32x4 ov = *reinterpret_cast<const u32x4*>(other_staged + slot);
+                u32 w[4] = {xv.x, xv.y, xv.z, xv.w};
+                const u32 os[4] = {ov.x, ov.y, ov.z, ov.w}, gs[4] = {gv[b].x, gv[b].y, gv[b].z, gv[b].w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {  // torch's addcmul_: see gated_add
+                    w[i] = pack_bf16x2(gated_add(bf16_lo(w[i]), bf16_lo(os[i]), bf16_lo(gs[i])),
+                                       gated_add(bf16_hi(w[i]), bf16_hi(os[i]), bf16_hi(gs[i])));
+                }
+                const u32x4 r = u32x4{w[0], w[1], w[2], w[3]};
+                store_16B(xrow + col, r);
+                add_squares(w, part);
+                if (Amax) *reinterpret_cast<u32x4*>(staged + slot) = r;
+            }
+        }
+        if (next < rows) copy_half_row_async(other_shared, p.other + (i64)next * p.other_row_stride, half, lane, cols);
+        commit_copies();
+        // torch's warp tree (see torch_rstd): lane 0 ends with torch's warp 2 half, lane 16 with warp 2 half + 1
 #pragma unroll
         for (int off = 8; off > 0; off >>= 1) {
 #pragma unroll
-            for (int j = 0; j < 4; ++j) part[j] = __fadd_rn(part[j], __shfl_down_sync(0xFFFFFFFFu, part[j], off, 16));
+            for (int j = 0; j < 2; ++j) part[j] = __fadd_rn(part[j], __shfl_down_sync(0xFFFFFFFFu, part[j], off, 16));
         }
-        // lane 0 holds torch's warps 0 (first half) and 2 (second half), lane 16 warps 1 and 3:
-        // S = (W0 + W2) + (W1 + W3)
-        const float pair = __fadd_rn(__fadd_rn(part[0], part[1]), __fadd_rn(part[2], part[3]));
-        float total = __fadd_rn(pair, __shfl_down_sync(0xFFFFFFFFu, pair, 16));
-        total = __shfl_sync(0xFFFFFFFFu, total, 0);
+        const float sum = __fadd_rn(part[0], part[1]);
+        if (lane == 0 || lane == 16) warp_sums[parity][half][lane >> 4] = sum;
+        __syncthreads();  // both halves' sums (a row's slots are rewritten two rows later, after another barrier)
+        const float total = __fadd_rn(__fadd_rn(warp_sums[parity][0][0], warp_sums[parity][1][0]),
+                                      __fadd_rn(warp_sums[parity][0][1], warp_sums[parity][1][1]));
         float rstd;
-        asm("rsqrt.approx.f32 %0, %1;" : "=f"(rstd) : "f"(__fadd_rn(__fdiv_rn(total, n_f), p.eps)));
-        if (lane == 0) p.rstd[row] = rstd;
-        if (Amax) {
-#pragma unroll
-            for (int step = 0; step < ROW_NORM_MAX_STEPS; ++step) {
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const u32 col = 512u * step + 256u * half + 8u * lane;
-                    if (col >= cols) continue;
-                    const u32x4 xv = *reinterpret_cast<const u32x4*>(staged + col / 2);
-                    u32x4 nw = load_16B(p.norm_weight + col);
-                    u32x4 sc = load_16B(p.mod_scale + m * p.mod_row_stride + col);
-                    u32x4 sh = load_16B(p.mod_shift + m * p.mod_row_stride + col);
-                    const u32 xs[4] = {xv.x, xv.y, xv.z, xv.w}, ws[4] = {nw.x, nw.y, nw.z, nw.w};
-                    const u32 ss[4] = {sc.x, sc.y, sc.z, sc.w}, ts[4] = {sh.x, sh.y, sh.z, sh.w};
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        acc = abs_bits_max_x2(acc, modulate_x2(rms_norm_x2(xs[i], ws[i], rstd), ss[i], ts[i]));
-                    }
-                }
-            }
-        }
+        asm("rsqrt.approx.f32 %0, %1;" : "=f"(rstd) : "f"(__fadd_rn(__fdiv_rn(total, (float)cols), p.eps)));
+        if (threadIdx.x == 0) p.rstd[row] = rstd;
+        if (Amax) acc = staged_half_row_amax<RESIDUAL_AMAX_BATCH>(acc, staged, p, m, rstd, half, lane);
+        if (next < rows) copy_half_row_async(x_shared, p.x + (i64)next * p.x_row_stride, half, lane, cols);
+        commit_copies();
     }
-    if (Amax) absmax_finish<ROW_NORM_THREADS>(p.out, acc);
+    wait_copies();
+    if (Amax) absmax_finish<RESIDUAL_NORM_THREADS>(p.out, acc);
 }
 
 // ---- entry points (one name per variant; kernels/runtime.py looks them up by name) -------------------------
@@ -505,7 +676,7 @@ extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_swiglu
 extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_plain(const PackParams p) { pack_body<PlainSource, PLAIN_ITEMS>(p); }
 extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_modulate(const PackParams p) { pack_body<ModulateSource, ITEMS>(p); }
 extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_norm_modulate(const PackParams p) { pack_body<NormModulateSource, ITEMS>(p); }
-extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_swiglu(const PackParams p) { pack_body<SwigluSource<SiluEvaluated>, ITEMS>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_swiglu(const PackParams p) { pack_body<SwigluSource<SiluEvaluated>, SWIGLU_ITEMS>(p); }
 // One CTA per SM (the table takes 128 KB of shared memory); kernels/ops.py launches it where that fits.
 extern "C" __global__ void __launch_bounds__(SILU_TABLE_THREADS, 1) nvfp4_pack_swiglu_table(const PackParams p) {
     for (u32 i = threadIdx.x; i < 65536 / 8; i += blockDim.x) {
@@ -513,10 +684,10 @@ extern "C" __global__ void __launch_bounds__(SILU_TABLE_THREADS, 1) nvfp4_pack_s
         *reinterpret_cast<u32x4*>(silu_shared + 8 * i) = v;
     }
     __syncthreads();
-    pack_body<SwigluSource<SiluLookedUp>, ITEMS>(p);
+    pack_body<SwigluSource<SiluLookedUp>, SWIGLU_ITEMS>(p);
 }
 extern "C" __global__ void __launch_bounds__(RESIDUAL_THREADS) h3_gated_residual(const GatedResidualParams p) { gated_residual_body(p); }
-extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) h3_row_norm_stats(const RowNormParams p) { row_norm_body<false, false>(p); }
-extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) h3_row_norm_amax(const RowNormParams p) { row_norm_body<false, true>(p); }
-extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) h3_row_norm_residual_stats(const RowNormParams p) { row_norm_body<true, false>(p); }
-extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) h3_row_norm_residual_amax(const RowNormParams p) { row_norm_body<true, true>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) h3_row_norm_stats(const RowNormParams p) { row_norm_body<false>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) h3_row_norm_amax(const RowNormParams p) { row_norm_body<true>(p); }
+extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) h3_row_norm_residual_stats(const RowNormParams p) { residual_norm_body<false>(p); }
+extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) h3_row_norm_residual_amax(const RowNormParams p) { residual_norm_body<true>(p); }

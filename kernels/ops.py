@@ -28,17 +28,23 @@ from . import runtime
 
 # Launch shapes. The kernels are compiled with these values (kernel_defines) and the grids computed from them.
 LAUNCH = {
-    "PACK_THREADS": 256, "ABSMAX_THREADS": 512, "ITEMS": 1, "PLAIN_ITEMS": 4, "SILU_TABLE_THREADS": 512,
-    "RESIDUAL_THREADS": 256, "ROW_NORM_THREADS": 128, "ROW_NORM_MAX_STEPS": 11,
+    "PACK_THREADS": 256, "ABSMAX_THREADS": 512, "ITEMS": 1, "PLAIN_ITEMS": 4, "SWIGLU_ITEMS": 1, "SILU_TABLE_THREADS": 1024,
+    "RESIDUAL_THREADS": 256, "ROW_NORM_THREADS": 128, "ROW_NORM_MAX_STEPS": 11, "ROW_NORM_BATCH": 2,
+    "RESIDUAL_NORM_THREADS": 64, "RESIDUAL_NORM_BATCH": 6, "RESIDUAL_AMAX_BATCH": 6,
+    "RESIDUAL_NORM_MIN_CTAS": 8,  # 8 CTAs x 2 warps per SM: at most 128 registers (9 or 10 spill at these batches)
 }
 ABSMAX_CTAS_PER_SM = 4
 # The RMSNorm + RoPE kernel handles H3's heads only: 128 dims, rotation over the first 96 (48 pairs).
-ROPE_HEAD_DIM, ROPE_ROT_DIM, ROPE_THREADS, ROPE_THREADS_PER_HEAD = 128, 96, 256, 8
+# Each warp stages ROPE_STAGES quads (4 heads of q and k, 320 bytes a head) in shared memory ahead of its work.
+ROPE_HEAD_DIM, ROPE_ROT_DIM, ROPE_THREADS, ROPE_THREADS_PER_HEAD, ROPE_STAGES = 128, 96, 128, 8, 3
 ROPE_DEFINES = (("ROPE_HEAD_DIM", ROPE_HEAD_DIM), ("ROPE_ROT_DIM", ROPE_ROT_DIM), ("ROPE_THREADS", ROPE_THREADS),
-                ("ROPE_THREADS_PER_HEAD", ROPE_THREADS_PER_HEAD))
+                ("ROPE_THREADS_PER_HEAD", ROPE_THREADS_PER_HEAD), ("ROPE_STAGES", ROPE_STAGES))
+ROPE_SHARED_BYTES = ROPE_THREADS // 32 * ROPE_STAGES * 2 * 4 * (2 * ROPE_HEAD_DIM + 64)
 ROW_NORM_MAX_COLS = 512 * LAUNCH["ROW_NORM_MAX_STEPS"]  # one warp stages a row of up to 5632 values
-# shared memory of the row-norm kernels: one staged row per warp (44 KB with 4 warps: no opt-in, fits sm_120's 99 KB)
+# shared memory of the row-norm kernels: one staged row per warp (44 KB with 4 warps: no opt-in, fits sm_120's 99 KB);
+# in the residual ones half a row of x and of other per warp (22.5 KB a CTA of two warps)
 ROW_NORM_SHARED_BYTES = LAUNCH["ROW_NORM_THREADS"] // 32 * ROW_NORM_MAX_COLS * 2
+RESIDUAL_NORM_SHARED_BYTES = LAUNCH["RESIDUAL_NORM_THREADS"] // 32 * ROW_NORM_MAX_COLS * 2
 EMULATE_BLACKWELL_ENV = "H3_FUSED_NVFP4_EMULATE_BLACKWELL"
 EXTRA_DEFINES: tuple = ()  # tests only: planted faults (e.g. (("NVFP4_PLANT_FAULT", 1),))
 
@@ -353,9 +359,13 @@ def _row_norm_launch(kernel: str, x, norm: RmsNorm, *, other=None, gate=None, mo
         params.mod_scale, params.mod_shift = modulation.scale.data_ptr(), modulation.shift.data_ptr()
         params.mod_row_stride = modulation.scale.stride(0)
         params.out = _global_scale_out(x.device, stream, global_scale_out)
-    threads = LAUNCH["ROW_NORM_THREADS"]
-    grid = max(1, min(-(-x.shape[0] // (threads // 32)), mod.sm_count * 16))  # one warp per row
-    shared = ROW_NORM_SHARED_BYTES if kernel.endswith("_amax") else 0
+    if other is not None:  # persistent CTAs of two warps, one row at a time, copying the next while finishing it
+        threads, shared = LAUNCH["RESIDUAL_NORM_THREADS"], RESIDUAL_NORM_SHARED_BYTES
+        grid = max(1, min(x.shape[0], mod.sm_count * mod.resident_ctas(kernel, threads, shared)))
+    else:  # one warp per row
+        threads = LAUNCH["ROW_NORM_THREADS"]
+        shared = ROW_NORM_SHARED_BYTES if kernel.endswith("_amax") else 0
+        grid = max(1, min(-(-x.shape[0] // (threads // 32)), mod.sm_count * 16))
     mod.launch(kernel, grid, threads, params, stream, shared_bytes=shared)
 
 
@@ -442,8 +452,8 @@ def rms_rope_support(q, k, freqs, q_weight, k_weight, rot_dim) -> str | None:
         return "norm weights must be contiguous [head_dim]"
     if s * q.shape[2] >= 2**31:
         return "too many tokens for one launch"
-    if any(t.data_ptr() % 8 for t in (q, k, q_weight, k_weight)) or q.stride(1) % 4:
-        return "q, k and the norm weights must be 8-byte aligned (the kernel makes 8-byte accesses)"
+    if any(t.data_ptr() % 16 for t in (q, k)) or q.stride(1) % 8 or any(t.data_ptr() % 8 for t in (q_weight, k_weight)):
+        return "q and k rows must be 16-byte aligned (16-byte copies) and the norm weights 8-byte aligned"
     return None
 
 
@@ -457,6 +467,9 @@ def rms_rope_split_half_(q, k, freqs, q_weight, k_weight, epsilon: float, rot_di
     tokens, heads = q.shape[1], q.shape[2]
     params = _RmsRopeParams(q.data_ptr(), k.data_ptr(), q.stride(1), freqs.data_ptr(), q_weight.data_ptr(),
                             k_weight.data_ptr(), tokens, heads, float(epsilon))
-    grid = max(1, min(-(-(tokens * heads) // (ROPE_THREADS // ROPE_THREADS_PER_HEAD)), mod.sm_count * 32))
-    mod.launch("h3_rms_rope_split_half", grid, ROPE_THREADS, params, stream)
+    # every warp takes an equal contiguous range of quads: exactly the CTAs the GPU holds at once, or fewer
+    quads = tokens * -(-heads // 4)
+    resident = mod.sm_count * mod.resident_ctas("h3_rms_rope_split_half", ROPE_THREADS, ROPE_SHARED_BYTES)
+    grid = max(1, min(-(-quads // (ROPE_THREADS // 32)), resident))
+    mod.launch("h3_rms_rope_split_half", grid, ROPE_THREADS, params, stream, shared_bytes=ROPE_SHARED_BYTES)
     return q, k

@@ -305,6 +305,7 @@ class Module:
             _check_cu(lib, result, "cuModuleLoadData")
         self._functions: dict[str, ctypes.c_void_p] = {}
         self._shared_limit: dict[str, int] = {}
+        self._resident: dict[tuple, int] = {}
         props = torch.cuda.get_device_properties(device_index)
         self.sm_count = props.multi_processor_count
         self.max_shared_per_block = self._device_attribute(97)  # CU_..._MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
@@ -325,6 +326,26 @@ class Module:
             self._functions[name] = fn
         return fn
 
+    def _allow_shared(self, name: str, fn, shared_bytes: int) -> None:
+        """Above 48 KB of dynamic shared memory a kernel's limit must be raised (opt-in), once."""
+        if shared_bytes > self._shared_limit.get(name, 48 * 1024):
+            # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _check_cu(driver(), driver().cuFuncSetAttribute(fn, 8, shared_bytes), f"cuFuncSetAttribute({name})")
+            self._shared_limit[name] = shared_bytes
+
+    def resident_ctas(self, name: str, block: int, shared_bytes: int = 0) -> int:
+        """CTAs of ``name`` one SM holds at once (the driver's occupancy calculator), at least 1; cached."""
+        key = (name, block, shared_bytes)
+        count = self._resident.get(key)
+        if count is None:
+            fn = self.function(name)
+            self._allow_shared(name, fn, shared_bytes)
+            value = ctypes.c_int()
+            _check_cu(driver(), driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                ctypes.byref(value), fn, block, ctypes.c_size_t(shared_bytes)), f"occupancy of {name}")
+            count = self._resident[key] = max(1, value.value)
+        return count
+
     def launch(self, name: str, grid: int, block: int, params: ctypes.Structure, stream_handle: int,
                shared_bytes: int = 0) -> None:
         """Launch ``name`` with one by-value struct argument on the given raw CUDA stream (no sync).
@@ -332,10 +353,7 @@ class Module:
         ``shared_bytes``: dynamic shared memory; above 48 KB the kernel's limit is raised once (opt-in)."""
         lib = driver()
         fn = self.function(name)
-        if shared_bytes > self._shared_limit.get(name, 48 * 1024):
-            # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            _check_cu(lib, lib.cuFuncSetAttribute(fn, 8, shared_bytes), f"cuFuncSetAttribute({name})")
-            self._shared_limit[name] = shared_bytes
+        self._allow_shared(name, fn, shared_bytes)
         args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         result = lib.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, shared_bytes, stream_handle, args, None)
         if result == 201:  # CUDA_ERROR_INVALID_CONTEXT: a thread torch has not bound to this device yet
