@@ -14,9 +14,10 @@
 //
 // Lane mapping of the arithmetic above: comfy-kitchen runs one warp per (token, head), lane l summing elements
 // l + 32 s (s = 0..3). This kernel keeps that arithmetic but not that thread layout (see below): 8 threads per
-// head, each holding 4 lanes' worth, so every access is 8 bytes wide; one warp-per-head version with 2-byte
-// accesses ran at 66% of copy bandwidth on the H200, this one at 77%, and 16-byte accesses (4 threads per head)
-// at 56% (register pressure). Reads and writes each element once (comfy-kitchen reads q and k twice).
+// head, each holding 4 lanes' worth, so every register access is 8 bytes wide; one warp-per-head version with
+// 2-byte accesses ran at 66% of copy bandwidth on the H200, 8 threads per head at 77%, and 16-byte accesses (4
+// threads per head) at 56% (register pressure); staging the heads ahead in shared memory (below) brought the
+// 8-thread layout to 85%. Reads and writes each element once (comfy-kitchen reads q and k twice).
 #include "nvfp4_common.cuh"
 
 // kernels/ops.py passes the shape constants (H3: head_dim 128, rotation over the first 96 dims = 48 pairs) and the
@@ -52,7 +53,7 @@ NVFP4_DEVICE float add_ftz(float a, float b) {
     return r;
 }
 
-// ---- 8 threads per (token, head), 4 consecutive elements (8 bytes) per access ----------------------------------
+// ---- 8 threads per (token, head), 4 consecutive elements (8 bytes) per register access ------------------------
 // Thread t (t = lane % 8) holds lanes 4t .. 4t+3 of the mapping above: elements e = 4t + j + 32 s (j, s = 0..3),
 // and a warp works on 4 consecutive heads of one token (a "quad"). The sum is comfy-kitchen's, term for term: each of
 // the thread's 4 lane partials is its own fma chain over s, and the shfl_down tree is replayed on the lane numbering
