@@ -452,48 +452,60 @@ NVFP4_DEVICE void add_squares(const u32 w[4], float sums[2]) {
     }
 }
 
-// torch's rstd from the four partial sums every lane holds (part[2 * odd + j]: logical thread 64 odd + 2p + j).
-NVFP4_DEVICE float torch_rstd(float part[4], float n_f, float eps) {
-    // torch's warp tree on logical lanes 2q + j (q = lane % 16): offsets 16, 8, 4, 2 are shuffles by 8, 4, 2, 1
-    // lanes inside each half-warp; offset 1 adds the two partials a lane holds.
+// torch's warp tree on logical lanes 2q + j (q = lane % 16) for N / 2 pairs of partials: offsets 16, 8, 4, 2 are
+// shuffles by 8, 4, 2, 1 lanes inside each half-warp; offset 1 adds the two partials of a pair (the caller).
+template <int N>
+__device__ __forceinline__ void half_warp_tree(float part[N]) {
 #pragma unroll
     for (int off = 8; off > 0; off >>= 1) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) part[j] = __fadd_rn(part[j], __shfl_down_sync(0xFFFFFFFFu, part[j], off, 16));
+        for (int j = 0; j < N; ++j) part[j] = __fadd_rn(part[j], __shfl_down_sync(0xFFFFFFFFu, part[j], off, 16));
     }
-    // lane 0 holds torch's warps 0 (even chunks) and 2 (odd chunks), lane 16 warps 1 and 3: S = (W0 + W2) + (W1 + W3)
-    const float pair = __fadd_rn(__fadd_rn(part[0], part[1]), __fadd_rn(part[2], part[3]));
-    float total = __fadd_rn(pair, __shfl_down_sync(0xFFFFFFFFu, pair, 16));
-    total = __shfl_sync(0xFFFFFFFFu, total, 0);
+}
+
+// torch's rstd = rsqrt.approx(S / K + eps) from the row's sum of squares S.
+NVFP4_DEVICE float torch_rstd_of(float total, float n_f, float eps) {
     float rstd;
     asm("rsqrt.approx.f32 %0, %1;" : "=f"(rstd) : "f"(__fadd_rn(__fdiv_rn(total, n_f), eps)));
     return rstd;
 }
 
-// The amax pass: |modulate(rms_norm(x))| of the staged row folded into acc, the L2 loads of Batch chunks at a time.
-template <int Batch>
-__device__ __forceinline__ u32 staged_row_amax(u32 acc, const u32* staged, const RowNormParams& p, i64 m, float rstd,
-                                               u32 lane) {
+// torch's rstd from the four partial sums every lane holds (part[2 * odd + j]: logical thread 64 odd + 2p + j).
+NVFP4_DEVICE float torch_rstd(float part[4], float n_f, float eps) {
+    half_warp_tree<4>(part);
+    // lane 0 holds torch's warps 0 (even chunks) and 2 (odd chunks), lane 16 warps 1 and 3: S = (W0 + W2) + (W1 + W3)
+    const float pair = __fadd_rn(__fadd_rn(part[0], part[1]), __fadd_rn(part[2], part[3]));
+    float total = __fadd_rn(pair, __shfl_down_sync(0xFFFFFFFFu, pair, 16));
+    return torch_rstd_of(__shfl_sync(0xFFFFFFFFu, total, 0), n_f, eps);
+}
+
+// The amax pass: |modulate(rms_norm(x))| of a warp's staged chunks c = Step k + first (the whole row: Step 1; half
+// a row: Step 2), chunk k staged at word 128 k, folded into acc; the L2 loads of Batch chunks at a time, the staged
+// words read when used.
+template <int Batch, int Step>
+__device__ __forceinline__ u32 staged_amax(u32 acc, const u32* staged, const RowNormParams& p, i64 m, float rstd,
+                                           u32 first, u32 lane) {
+    constexpr int Chunks = ROW_NORM_CHUNKS / Step;
     const u32 cols = (u32)p.cols;
     const u16* sc_row = p.mod_scale + m * p.mod_row_stride;
     const u16* sh_row = p.mod_shift + m * p.mod_row_stride;
 #pragma unroll 1  // a batch at a time (unrolled, the scheduler hoisted every chunk's loads and spilled)
-    for (int c0 = 0; c0 < ROW_NORM_CHUNKS; c0 += Batch) {
-        u32x4 xv[Batch], nw[Batch], sc[Batch], sh[Batch];
+    for (int k0 = 0; k0 < Chunks; k0 += Batch) {
+        u32x4 nw[Batch], sc[Batch], sh[Batch];
 #pragma unroll
         for (int b = 0; b < Batch; ++b) {
-            const u32 col = 256u * (c0 + b) + 8u * lane;
-            if (c0 + b >= ROW_NORM_CHUNKS || col >= cols) continue;  // cols % 16 == 0: a lane's 8 are in or out
-            xv[b] = *reinterpret_cast<const u32x4*>(staged + col / 2);
+            const u32 col = 256u * (Step * (k0 + b) + first) + 8u * lane;
+            if (k0 + b >= Chunks || col >= cols) continue;  // cols % 16 == 0: a lane's 8 are in or out
             nw[b] = load_16B(p.norm_weight + col);
             sc[b] = load_16B(sc_row + col);
             sh[b] = load_16B(sh_row + col);
         }
 #pragma unroll
         for (int b = 0; b < Batch; ++b) {
-            const u32 col = 256u * (c0 + b) + 8u * lane;
-            if (c0 + b >= ROW_NORM_CHUNKS || col >= cols) continue;
-            const u32 xs[4] = {xv[b].x, xv[b].y, xv[b].z, xv[b].w}, ws[4] = {nw[b].x, nw[b].y, nw[b].z, nw[b].w};
+            const u32 col = 256u * (Step * (k0 + b) + first) + 8u * lane;
+            if (k0 + b >= Chunks || col >= cols) continue;
+            const u32x4 xv = *reinterpret_cast<const u32x4*>(staged + 4 * (32 * (k0 + b) + lane));
+            const u32 xs[4] = {xv.x, xv.y, xv.z, xv.w}, ws[4] = {nw[b].x, nw[b].y, nw[b].z, nw[b].w};
             const u32 ss[4] = {sc[b].x, sc[b].y, sc[b].z, sc[b].w}, ts[4] = {sh[b].x, sh[b].y, sh[b].z, sh[b].w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc = abs_bits_max_x2(acc, modulate_x2(rms_norm_x2(xs[i], ws[i], rstd), ss[i], ts[i]));
@@ -528,12 +540,12 @@ __device__ __forceinline__ void row_norm_body(const RowNormParams& p) {
                 if (c0 + b >= ROW_NORM_CHUNKS || col >= cols) continue;
                 const u32 w[4] = {xv[b].x, xv[b].y, xv[b].z, xv[b].w};
                 add_squares(w, part + 2 * (b & 1));
-                if (Amax) *reinterpret_cast<u32x4*>(staged + col / 2) = xv[b];
+                if (Amax) *reinterpret_cast<u32x4*>(staged + 4 * (32 * (c0 + b) + lane)) = xv[b];  // = col / 2
             }
         }
         const float rstd = torch_rstd(part, (float)cols, p.eps);
         if (lane == 0) p.rstd[row] = rstd;
-        if (Amax) acc = staged_row_amax<ROW_NORM_BATCH>(acc, staged, p, (i64)p.mod_index[row], rstd, lane);
+        if (Amax) acc = staged_amax<ROW_NORM_BATCH, 1>(acc, staged, p, (i64)p.mod_index[row], rstd, 0, lane);
     }
     if (Amax) absmax_finish<ROW_NORM_THREADS>(p.out, acc);
 }
@@ -558,38 +570,6 @@ NVFP4_DEVICE void copy_half_row_async(u32 shared_addr, const u16* src, u32 half,
 }
 NVFP4_DEVICE void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 NVFP4_DEVICE void wait_copies() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-
-// The amax pass over this warp's staged half row (its own chunks only), the L2 loads of Batch chunks at a time.
-template <int Batch>
-__device__ __forceinline__ u32 staged_half_row_amax(u32 acc, const u32* staged, const RowNormParams& p, i64 m,
-                                                    float rstd, u32 half, u32 lane) {
-    const u32 cols = (u32)p.cols;
-    const u16* sc_row = p.mod_scale + m * p.mod_row_stride;
-    const u16* sh_row = p.mod_shift + m * p.mod_row_stride;
-#pragma unroll 1
-    for (int k0 = 0; k0 < ROW_NORM_MAX_STEPS; k0 += Batch) {
-        u32x4 nw[Batch], sc[Batch], sh[Batch];
-#pragma unroll
-        for (int b = 0; b < Batch; ++b) {
-            const u32 col = 256u * (2 * (k0 + b) + half) + 8u * lane;
-            if (k0 + b >= ROW_NORM_MAX_STEPS || col >= cols) continue;
-            nw[b] = load_16B(p.norm_weight + col);
-            sc[b] = load_16B(sc_row + col);
-            sh[b] = load_16B(sh_row + col);
-        }
-#pragma unroll
-        for (int b = 0; b < Batch; ++b) {
-            const u32 col = 256u * (2 * (k0 + b) + half) + 8u * lane;
-            if (k0 + b >= ROW_NORM_MAX_STEPS || col >= cols) continue;
-            const u32x4 xv = *reinterpret_cast<const u32x4*>(staged + 4 * (32 * (k0 + b) + lane));  // shared: no batch
-            const u32 xs[4] = {xv.x, xv.y, xv.z, xv.w}, ws[4] = {nw[b].x, nw[b].y, nw[b].z, nw[b].w};
-            const u32 ss[4] = {sc[b].x, sc[b].y, sc[b].z, sc[b].w}, ts[4] = {sh[b].x, sh[b].y, sh[b].z, sh[b].w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc = abs_bits_max_x2(acc, modulate_x2(rms_norm_x2(xs[i], ws[i], rstd), ss[i], ts[i]));
-        }
-    }
-    return acc;
-}
 
 // x[r] += other[r] * gate[m], then the statistics (and the amax) of the new x. The next row's x and other are copied
 // into shared memory while the current one is finished (other during the statistics and amax pass, x after it).
@@ -646,21 +626,16 @@ __device__ __forceinline__ void residual_norm_body(const RowNormParams& p) {
         }
         if (next < rows) copy_half_row_async(other_shared, p.other + (i64)next * p.other_row_stride, half, lane, cols);
         commit_copies();
-        // torch's warp tree (see torch_rstd): lane 0 ends with torch's warp 2 half, lane 16 with warp 2 half + 1
-#pragma unroll
-        for (int off = 8; off > 0; off >>= 1) {
-#pragma unroll
-            for (int j = 0; j < 2; ++j) part[j] = __fadd_rn(part[j], __shfl_down_sync(0xFFFFFFFFu, part[j], off, 16));
-        }
+        // lane 0 ends with torch's warp 2 half, lane 16 with warp 2 half + 1
+        half_warp_tree<2>(part);
         const float sum = __fadd_rn(part[0], part[1]);
         if (lane == 0 || lane == 16) warp_sums[parity][half][lane >> 4] = sum;
         __syncthreads();  // both halves' sums (a row's slots are rewritten two rows later, after another barrier)
         const float total = __fadd_rn(__fadd_rn(warp_sums[parity][0][0], warp_sums[parity][1][0]),
                                       __fadd_rn(warp_sums[parity][0][1], warp_sums[parity][1][1]));
-        float rstd;
-        asm("rsqrt.approx.f32 %0, %1;" : "=f"(rstd) : "f"(__fadd_rn(__fdiv_rn(total, (float)cols), p.eps)));
+        const float rstd = torch_rstd_of(total, (float)cols, p.eps);
         if (threadIdx.x == 0) p.rstd[row] = rstd;
-        if (Amax) acc = staged_half_row_amax<RESIDUAL_AMAX_BATCH>(acc, staged, p, m, rstd, half, lane);
+        if (Amax) acc = staged_amax<RESIDUAL_AMAX_BATCH, 2>(acc, staged, p, m, rstd, half, lane);
         if (next < rows) copy_half_row_async(x_shared, p.x + (i64)next * p.x_row_stride, half, lane, cols);
         commit_copies();
     }
