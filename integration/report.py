@@ -48,7 +48,7 @@ MARKER = "spin_kernel"            # torch.cuda._sleep's kernel: opens each measu
 CATEGORIES = (
     ("fused_absmax", ("nvfp4_absmax",)),
     ("fused_pack", ("nvfp4_pack",)),
-    ("fused_row_norm", ("h3_row_norm",)),
+    ("fused_row_norm", ("h3_row_norm", "h3_modulation_bounds")),  # the bounds table is the amax pass's first launch
     ("fused_gated_residual", ("h3_gated_residual",)),
     ("fused_rms_rope", ("h3_rms_rope",)),
     ("emulation_dequant", ("dequantize_nvfp4",)),

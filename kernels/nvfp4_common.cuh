@@ -95,6 +95,12 @@ NVFP4_DEVICE u32 bf16x2_absmax(u32 a, u32 b) {
         "  max.bf16x2 %0, ta, tb; }" : "=r"(r) : "r"(a), "r"(b));
     return r;
 }
+// |x| per half on the FMA pipe (the packs are bound by the integer ALU pipe on sm_90): exact, NaN stays NaN.
+NVFP4_DEVICE u32 bf16x2_abs(u32 a) {
+    u32 r;
+    asm("abs.bf16x2 %0, %1;" : "=r"(r) : "r"(a));
+    return r;
+}
 NVFP4_DEVICE u32 bf16x2_max(u32 a, u32 b) {
     u32 r;
     asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
@@ -285,23 +291,25 @@ NVFP4_DEVICE u32 e2m1_magnitude_codes_x2(float v0, float v1) {
 NVFP4_DEVICE u32 encode8_no_nan(const u32 w[4], const u32 a[4], float e) {
     u32 pair[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const u32 codes = e2m1_magnitude_codes_x2(mul_ftz(e, bf16_lo(a[i])), mul_ftz(e, bf16_hi(a[i])));
-        pair[i] = codes | ((w[i] >> 12) & 0x00080008u);  // sign bits 15, 31 -> code bit 3
-    }
-    // Gather byte 0 (first value of each pair) and byte 2 (second value); the first goes to the high nibble.
-    const u32 p01 = __byte_perm(pair[0], pair[1], 0x6240), p23 = __byte_perm(pair[2], pair[3], 0x6240);
+    for (int i = 0; i < 4; ++i) pair[i] = e2m1_magnitude_codes_x2(mul_ftz(e, bf16_lo(a[i])), mul_ftz(e, bf16_hi(a[i])));
+    // Gather byte 0 (first value of each pair) and byte 2 (second value): codes of values 0, 2, 1, 3 (4, 6, 5, 7),
+    // with the sign of each in bit 3 (from the bytes of w that hold the signs, in the same order); the first value
+    // of each output byte goes to the high nibble.
+    const u32 s01 = __byte_perm(w[0], w[1], 0x7351), s23 = __byte_perm(w[2], w[3], 0x7351);
+    const u32 p01 = __byte_perm(pair[0], pair[1], 0x6240) | ((s01 >> 4) & 0x08080808u);
+    const u32 p23 = __byte_perm(pair[2], pair[3], 0x6240) | ((s23 >> 4) & 0x08080808u);
     return (__byte_perm(p01, p23, 0x5410) << 4) | __byte_perm(p01, p23, 0x7632);
 }
 
 // One 16-value block (8 words): block scale byte and 16 codes (lo: values 0-7, hi: values 8-15).
 NVFP4_DEVICE void quantize_block16(const u32 w[8], float g, float rcp_g, u32& scale_byte, u32& lo, u32& hi) {
 #if !defined(NVFP4_HW_E2M1)
-    // |x| bit patterns order like magnitudes, with NaN above inf: an integer max finds the block absmax and
-    // tells whether the block holds a NaN. Without one it equals the NaN-skipping bf16 max of the reference.
+    // |x| bit patterns order like magnitudes, with NaN above inf (abs.bf16x2 keeps a NaN a NaN, whatever its sign
+    // bit, so its pattern stays above 0x7F80): an integer max finds the block absmax and tells whether the block
+    // holds a NaN. Without one it equals the NaN-skipping bf16 max of the reference.
     u32 a[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) a[j] = w[j] & 0x7FFF7FFFu;
+    for (int j = 0; j < 8; ++j) a[j] = bf16x2_abs(w[j]);
     const u32 m = __vmaxu2(__vmaxu2(__vmaxu2(a[0], a[1]), __vmaxu2(a[2], a[3])),
                            __vmaxu2(__vmaxu2(a[4], a[5]), __vmaxu2(a[6], a[7])));
     const u32 amax = max(m & 0xFFFFu, m >> 16);

@@ -21,6 +21,8 @@
 //   h3_row_norm_*       RMSNorm statistics of x (optionally first updated by the gated residual): rstd[r] with
 //                       torch's CUDA rms_norm arithmetic, and optionally the amax of the modulated, normalized rows
 //                       (the next projection's global scale), so torch's norm never writes its output.
+//   h3_modulation_bounds per modulation row, the bounds that let the amax pass skip columns that cannot raise the
+//                       maximum (see bounded_amax).
 //
 // torch's rms_norm (vectorized_layer_norm_kernel<BFloat16, float, rms=true>, identical arithmetic in torch 2.9.0 to
 // 2.14.1; kernels/ops.py rms_norm_support and the first-use self-check guard it): one CTA of 128 threads per row;
@@ -32,8 +34,8 @@
 //
 // Thread mapping of the pack. One warp packs one row at a time. The padded scale matrix has
 // U = roundup(K/16, 4)/4 column groups per row; a group covers 64 input columns and owns 4 contiguous scale bytes
-// of the swizzled layout. Each lane packs one 16-block (two 16-byte loads, one block scale, 8 bytes of codes); lane
-// 0 of each 4-lane group gathers the group's 4 scale bytes with three shuffles and stores them as one word. Items
+// of the swizzled layout. Each lane packs one 16-block (two 16-byte loads, one block scale, 8 bytes of codes); the
+// 4 lanes of a group gather the group's 4 scale bytes with two xor shuffles and lane 0 stores them as one word. Items
 // blocks per lane are in flight to cover DRAM latency. Rows cover [0, roundup(roundup(M,16),128)): rows in
 // [M, roundup(M,16)) are packed from zeros (as comfy-kitchen pads them), rows beyond only get zero scales. Measured
 // slower on the H200 (benchmarks/README.md): splitting a block over two lanes for 512-byte coalesced loads
@@ -46,7 +48,8 @@
 #if !defined(ITEMS) || !defined(PLAIN_ITEMS) || !defined(SWIGLU_ITEMS) || !defined(PACK_THREADS) || !defined(SILU_TABLE_THREADS) ||          \
     !defined(ABSMAX_THREADS) || !defined(RESIDUAL_THREADS) || !defined(ROW_NORM_THREADS) ||                         \
     !defined(ROW_NORM_MAX_STEPS) || !defined(ROW_NORM_BATCH) || !defined(RESIDUAL_NORM_THREADS) ||   \
-    !defined(RESIDUAL_NORM_BATCH) || !defined(RESIDUAL_AMAX_BATCH) || !defined(RESIDUAL_NORM_MIN_CTAS)
+    !defined(RESIDUAL_NORM_BATCH) || !defined(RESIDUAL_AMAX_BATCH) || !defined(RESIDUAL_NORM_MIN_CTAS) ||           \
+    !defined(PACK_MIN_CTAS) || !defined(PLAIN_MIN_CTAS)
 #error "kernels/ops.py passes the launch constants (ITEMS, PLAIN_ITEMS, PACK_THREADS, ...) as -D options"
 #endif
 
@@ -118,6 +121,19 @@ struct RowNormParams {
     const u16* mod_shift;
     i64 mod_row_stride;
     GlobalScaleOut out;      // amax variants
+    const u16* bound_scale;  // amax variants: h3_modulation_bounds of (norm_weight, mod_scale, mod_shift)
+    const u16* bound_shift;
+};
+
+struct ModBoundsParams {
+    const u16* norm_weight;  // bf16 [K]
+    const u16* mod_scale;    // bf16 modulation rows [R, K], row stride mod_row_stride
+    const u16* mod_shift;
+    i64 mod_row_stride;
+    i64 table_rows;          // R
+    i64 cols;                // K
+    u16* bound_scale;        // out: bf16 [R, K], |w| |bf16(1 + scale)| rounded up (NaN stays NaN)
+    u16* bound_shift;        // out: bf16 [R, K / 8], max |shift| of each 8 columns
 };
 
 // ---- sources ---------------------------------------------------------------------------------------------
@@ -346,6 +362,10 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
         const bool data_row = row < rows;
         const bool packed_row = row < rows16;
         u8* qrow = p.qdata + (u64)row * (cols / 2);
+        u8* srow = p.scales + swizzled_scale_offset32(row, 0, scale_groups * 4);  // + 512 per column group
+        // opaque copies: kept in registers instead of being re-derived from the parameters at every store
+        asm("mov.b64 %0, %0;" : "+l"(qrow));
+        asm("mov.b64 %0, %0;" : "+l"(srow));
         typename Source::Row src_row;  // pad rows have no index, rstd or input row: never read
         if (data_row) src_row = Source::row(s, (i64)row);
         for (u32 c0 = 0; c0 < lanes_per_row; c0 += 32 * Items) {
@@ -369,18 +389,15 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
                 u32 block_scale, lo, hi;
                 quantize_block16(w[i], g, rcp_g, block_scale, lo, hi);
                 const bool in_cols = col < cols;
-                u32 scale_byte = (in_cols && packed_row) ? block_scale : 0u;
-                u32 b1 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 1);
-                u32 b2 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 2);
-                u32 b3 = __shfl_sync(0xFFFFFFFFu, scale_byte, group_leader + 3);
+                // the group's 4 scale bytes, byte j from lane leader + j, in two xor shuffles
+                u32 word = ((in_cols && packed_row) ? block_scale : 0u) << (8 * (lane & 3));
+                word |= __shfl_xor_sync(0xFFFFFFFFu, word, 1);
+                word |= __shfl_xor_sync(0xFFFFFFFFu, word, 2);
                 if (c >= lanes_per_row) continue;
                 if (packed_row && in_cols) {
-                    asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(qrow + col / 2), "r"(lo), "r"(hi) : "memory");
+                    asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(qrow + 8 * c), "r"(lo), "r"(hi) : "memory");
                 }
-                if (lane == group_leader) {
-                    *reinterpret_cast<u32*>(p.scales + swizzled_scale_offset32(row, c, scale_groups * 4)) =
-                        scale_byte | (b1 << 8) | (b2 << 16) | (b3 << 24);
-                }
+                if (lane == group_leader) asm volatile("st.global.u32 [%0], %1;" :: "l"(srow + 512 * (c >> 2)), "r"(word) : "memory");
             }
         }
     }
@@ -479,39 +496,121 @@ NVFP4_DEVICE float torch_rstd(float part[4], float n_f, float eps) {
     return torch_rstd_of(__shfl_sync(0xFFFFFFFFu, total, 0), n_f, eps);
 }
 
-// The amax pass: |modulate(rms_norm(x))| of a warp's staged chunks c = Step k + first (the whole row: Step 1; half
-// a row: Step 2), chunk k staged at word 128 k, folded into acc; the L2 loads of Batch chunks at a time, the staged
-// words read when used.
+// ---- the amax pass, skipping what cannot matter ------------------------------------------------------------
+// The next projection's global scale is max |h| over the tensor, h = modulate(rms_norm(x)) =
+// bf16(bf16(n s1) + shift), n = bf16(w (rstd x)), s1 = bf16(1 + scale). Per modulation row, h3_modulation_bounds
+// stores T = |w| |s1| per column (exact in fp32, rounded up to bf16) and S = max |shift| per 8 columns. Every h
+// of 8 columns then satisfies
+//   |h| <= (rstd max|x T| (1 + 2^-24)^2 (1 + 2^-8)^2 + S) (1 + 2^-8)
+// (two fp32 products, then three bf16 roundings, each of relative error <= 2^-8). The kernels take max|x T| in
+// bf16x2 (one more rounding), evaluate the bound with margin (factors 1.04 and 1.01; 2^-126 added to max|x T|
+// before the multiply by rstd and 2^-120 at the end cover subnormal roundings, whose error is absolute; a T that
+// underflowed is harmless as rstd |x| <= sqrt(K)) and evaluate exactly only the chunks whose bound is not below the
+// running max. A NaN or inf anywhere makes the bound NaN or inf (max.NaN keeps NaN), which fails the test, and a
+// running max of 0 skips nothing. The result is the exact amax; how much is skipped depends on the data.
+NVFP4_DEVICE u32 load_2B(const u16* p) {
+    u16 v;
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+NVFP4_DEVICE float running_max_of(u32 acc) { return bf16_to_f32((u16)max(acc & 0xFFFFu, acc >> 16)); }
+NVFP4_DEVICE u32 bf16x2_max_nan(u32 a, u32 b) {
+    u32 r;
+    asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+// One bf16 rounding of |x| t per half.
+NVFP4_DEVICE u32 bf16x2_abs_mul(u32 x, u32 t) {
+    u32 r;
+    asm("{ .reg .b32 a;\n"
+        "  abs.bf16x2 a, %1;\n"
+        "  fma.rn.bf16x2 %0, a, %2, %3; }" : "=r"(r) : "r"(x), "r"(t), "r"(BF16X2_NEG_ZERO));
+    return r;
+}
+
+extern "C" __global__ void __launch_bounds__(256) h3_modulation_bounds(const ModBoundsParams p) {
+    const u32 groups = (u32)(p.cols / 8), total = (u32)p.table_rows * groups;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        const u32 r = i / groups, col = (i - r * groups) * 8;
+        const u32x4 wv = load_16B(p.norm_weight + col);
+        const u32x4 sv = load_16B(p.mod_scale + (i64)r * p.mod_row_stride + col);
+        const u32x4 hv = load_16B(p.mod_shift + (i64)r * p.mod_row_stride + col);
+        const u32 ws[4] = {wv.x, wv.y, wv.z, wv.w}, ss[4] = {sv.x, sv.y, sv.z, sv.w}, hs[4] = {hv.x, hv.y, hv.z, hv.w};
+        u32 t[4], s_abs = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u32 w = ws[j] & 0x7FFF7FFFu, s1 = bf16x2_add(BF16X2_ONE, ss[j]) & 0x7FFF7FFFu;
+            u32 half16[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                // a product of two bf16 is exact in fp32; rounded up to bf16 on its bit pattern, NaN kept NaN
+                const u32 bits = __float_as_uint(__fmul_rn(h ? bf16_hi(w) : bf16_lo(w), h ? bf16_hi(s1) : bf16_lo(s1)));
+                half16[h] = bits > 0x7F800000u ? 0x7FC0u : (bits + 0xFFFFu) >> 16;
+            }
+            t[j] = half16[0] | (half16[1] << 16);
+            s_abs = abs_bits_max_x2(s_abs, hs[j]);
+        }
+        store_16B(p.bound_scale + (i64)r * p.cols + col, u32x4{t[0], t[1], t[2], t[3]});
+        p.bound_shift[i] = (u16)max(s_abs & 0xFFFFu, s_abs >> 16);
+    }
+}
+
+// The amax pass over a warp's staged chunks c = Step k + first (the whole row: Step 1; half a row: Step 2), chunk k
+// staged at word 128 k: the bounds of Batch chunks loaded at a time, the exact value only where a bound requires it.
 template <int Batch, int Step>
-__device__ __forceinline__ u32 staged_amax(u32 acc, const u32* staged, const RowNormParams& p, i64 m, float rstd,
-                                           u32 first, u32 lane) {
+__device__ __forceinline__ u32 bounded_amax(u32 acc, const u32* staged, const RowNormParams& p, i64 m, float rstd,
+                                            u32 first, u32 lane) {
     constexpr int Chunks = ROW_NORM_CHUNKS / Step;
+    constexpr u32 ColStep = 256 * Step;  // columns from one of the warp's chunks to the next
     const u32 cols = (u32)p.cols;
-    const u16* sc_row = p.mod_scale + m * p.mod_row_stride;
-    const u16* sh_row = p.mod_shift + m * p.mod_row_stride;
-#pragma unroll 1  // a batch at a time (unrolled, the scheduler hoisted every chunk's loads and spilled)
-    for (int k0 = 0; k0 < Chunks; k0 += Batch) {
-        u32x4 nw[Batch], sc[Batch], sh[Batch];
+    // per-lane pointers, advanced a batch at a time: the offsets inside a batch are immediates of the loads
+    u32 col0 = 256u * first + 8u * lane;
+    const u16* t_ptr = p.bound_scale + m * (i64)cols + col0;
+    const u16* s_ptr = p.bound_shift + m * (i64)(cols / 8) + col0 / 8;
+    const u32* x_ptr = staged + 4 * lane;
+    float running = running_max_of(acc);
+#pragma unroll 1
+    for (int k0 = 0; k0 < Chunks; k0 += Batch, col0 += Batch * ColStep, t_ptr += Batch * ColStep,
+                                   s_ptr += Batch * ColStep / 8, x_ptr += 128 * Batch) {
+        u32x4 tv[Batch];
+        u32 sv[Batch];
 #pragma unroll
         for (int b = 0; b < Batch; ++b) {
-            const u32 col = 256u * (Step * (k0 + b) + first) + 8u * lane;
-            if (k0 + b >= Chunks || col >= cols) continue;  // cols % 16 == 0: a lane's 8 are in or out
-            nw[b] = load_16B(p.norm_weight + col);
-            sc[b] = load_16B(sc_row + col);
-            sh[b] = load_16B(sh_row + col);
+            if (k0 + b < Chunks && col0 + b * ColStep < cols) {  // cols % 16 == 0: a lane's 8 are in or out
+                tv[b] = load_16B(t_ptr + b * ColStep);
+                sv[b] = load_2B(s_ptr + b * ColStep / 8);
+            }
         }
 #pragma unroll
         for (int b = 0; b < Batch; ++b) {
-            const u32 col = 256u * (Step * (k0 + b) + first) + 8u * lane;
+            const u32 col = col0 + b * ColStep;
             if (k0 + b >= Chunks || col >= cols) continue;
-            const u32x4 xv = *reinterpret_cast<const u32x4*>(staged + 4 * (32 * (k0 + b) + lane));
-            const u32 xs[4] = {xv.x, xv.y, xv.z, xv.w}, ws[4] = {nw[b].x, nw[b].y, nw[b].z, nw[b].w};
-            const u32 ss[4] = {sc[b].x, sc[b].y, sc[b].z, sc[b].w}, ts[4] = {sh[b].x, sh[b].y, sh[b].z, sh[b].w};
+            const u32x4 xv = *reinterpret_cast<const u32x4*>(x_ptr + 128 * b);
+            const u32 xs[4] = {xv.x, xv.y, xv.z, xv.w};
+            const u32 xt = bf16x2_max_nan(bf16x2_max_nan(bf16x2_abs_mul(xs[0], tv[b].x), bf16x2_abs_mul(xs[1], tv[b].y)),
+                                          bf16x2_max_nan(bf16x2_abs_mul(xs[2], tv[b].z), bf16x2_abs_mul(xs[3], tv[b].w)));
+            const float xt_max = bf16_lo(bf16x2_max_nan(xt, xt >> 16));
+            const float bound = __fmaf_rn(__fmaf_rn(__fmul_rn(rstd, __fadd_rn(xt_max, 0x1p-126f)), 1.04f, bf16_to_f32((u16)sv[b])),
+                                          1.01f, 0x1p-120f);
+            if (!(bound < running)) {  // rare: the exact values
+                const u32x4 nw = load_16B(p.norm_weight + col);
+                const u32x4 sc = load_16B(p.mod_scale + m * p.mod_row_stride + col);
+                const u32x4 sh = load_16B(p.mod_shift + m * p.mod_row_stride + col);
+                const u32 ws[4] = {nw.x, nw.y, nw.z, nw.w}, ss[4] = {sc.x, sc.y, sc.z, sc.w}, ts[4] = {sh.x, sh.y, sh.z, sh.w};
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc = abs_bits_max_x2(acc, modulate_x2(rms_norm_x2(xs[i], ws[i], rstd), ss[i], ts[i]));
+                for (int i = 0; i < 4; ++i) acc = abs_bits_max_x2(acc, modulate_x2(rms_norm_x2(xs[i], ws[i], rstd), ss[i], ts[i]));
+                running = running_max_of(acc);
+            }
         }
     }
     return acc;
+}
+
+// The warp's running max in every lane (unsigned max of |h| bit patterns: NaN stays on top).
+NVFP4_DEVICE u32 warp_running_max(u32 acc) {
+    u32 m = max(acc & 0xFFFFu, acc >> 16), r;
+    asm("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(m));
+    return r;
 }
 
 // Statistics of x itself (no residual): x loaded into registers ROW_NORM_BATCH chunks at a time.
@@ -545,7 +644,7 @@ __device__ __forceinline__ void row_norm_body(const RowNormParams& p) {
         }
         const float rstd = torch_rstd(part, (float)cols, p.eps);
         if (lane == 0) p.rstd[row] = rstd;
-        if (Amax) acc = staged_amax<ROW_NORM_BATCH, 1>(acc, staged, p, (i64)p.mod_index[row], rstd, 0, lane);
+        if (Amax) acc = warp_running_max(bounded_amax<ROW_NORM_BATCH, 1>(acc, staged, p, (i64)p.mod_index[row], rstd, 0, lane));
     }
     if (Amax) absmax_finish<ROW_NORM_THREADS>(p.out, acc);
 }
@@ -582,6 +681,7 @@ __device__ __forceinline__ void residual_norm_body(const RowNormParams& p) {
     const u32* other_staged = staged + HALF_ROW_WORDS;
     const u32 x_shared = (u32)__cvta_generic_to_shared(staged), other_shared = x_shared + 4 * HALF_ROW_WORDS;
     __shared__ float warp_sums[2][2][2];  // [row parity][half][torch warp 2 half + (0, 1)]
+    __shared__ u32 warp_amax[2][2];       // [row parity][half]
 
     u32 row = blockIdx.x, parity = 0;
     if (row < rows) {
@@ -625,18 +725,24 @@ __device__ __forceinline__ void residual_norm_body(const RowNormParams& p) {
             }
         }
         if (next < rows) copy_half_row_async(other_shared, p.other + (i64)next * p.other_row_stride, half, lane, cols);
+        if (!Amax && next < rows) copy_half_row_async(x_shared, p.x + (i64)next * p.x_row_stride, half, lane, cols);
         commit_copies();
         // lane 0 ends with torch's warp 2 half, lane 16 with warp 2 half + 1
         half_warp_tree<2>(part);
         const float sum = __fadd_rn(part[0], part[1]);
         if (lane == 0 || lane == 16) warp_sums[parity][half][lane >> 4] = sum;
+        if (Amax) {  // the CTA's running max so far, for the bounds of this row
+            const u32 warp_max = warp_running_max(acc);
+            if (lane == 0) warp_amax[parity][half] = warp_max;
+        }
         __syncthreads();  // both halves' sums (a row's slots are rewritten two rows later, after another barrier)
+        if (Amax) acc = max(warp_amax[parity][0], warp_amax[parity][1]);
         const float total = __fadd_rn(__fadd_rn(warp_sums[parity][0][0], warp_sums[parity][1][0]),
                                       __fadd_rn(warp_sums[parity][0][1], warp_sums[parity][1][1]));
         const float rstd = torch_rstd_of(total, (float)cols, p.eps);
         if (threadIdx.x == 0) p.rstd[row] = rstd;
-        if (Amax) acc = staged_amax<RESIDUAL_AMAX_BATCH, 2>(acc, staged, p, m, rstd, half, lane);
-        if (next < rows) copy_half_row_async(x_shared, p.x + (i64)next * p.x_row_stride, half, lane, cols);
+        if (Amax) acc = bounded_amax<RESIDUAL_AMAX_BATCH, 2>(acc, staged, p, m, rstd, half, lane);
+        if (Amax && next < rows) copy_half_row_async(x_shared, p.x + (i64)next * p.x_row_stride, half, lane, cols);
         commit_copies();
     }
     wait_copies();
@@ -648,10 +754,10 @@ __device__ __forceinline__ void residual_norm_body(const RowNormParams& p) {
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_plain(const AbsmaxParams p) { absmax_body<PlainSource, PLAIN_ITEMS>(p); }
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_modulate(const AbsmaxParams p) { absmax_body<ModulateSource, ITEMS>(p); }
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_swiglu(const AbsmaxParams p) { absmax_swiglu_body(p); }
-extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_plain(const PackParams p) { pack_body<PlainSource, PLAIN_ITEMS>(p); }
-extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_modulate(const PackParams p) { pack_body<ModulateSource, ITEMS>(p); }
-extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_norm_modulate(const PackParams p) { pack_body<NormModulateSource, ITEMS>(p); }
-extern "C" __global__ void __launch_bounds__(PACK_THREADS) nvfp4_pack_swiglu(const PackParams p) { pack_body<SwigluSource<SiluEvaluated>, SWIGLU_ITEMS>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS, PLAIN_MIN_CTAS) nvfp4_pack_plain(const PackParams p) { pack_body<PlainSource, PLAIN_ITEMS>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_pack_modulate(const PackParams p) { pack_body<ModulateSource, ITEMS>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_pack_norm_modulate(const PackParams p) { pack_body<NormModulateSource, ITEMS>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_pack_swiglu(const PackParams p) { pack_body<SwigluSource<SiluEvaluated>, SWIGLU_ITEMS>(p); }
 // One CTA per SM (the table takes 128 KB of shared memory); kernels/ops.py launches it where that fits.
 extern "C" __global__ void __launch_bounds__(SILU_TABLE_THREADS, 1) nvfp4_pack_swiglu_table(const PackParams p) {
     for (u32 i = threadIdx.x; i < 65536 / 8; i += blockDim.x) {

@@ -32,6 +32,7 @@ LAUNCH = {
     "RESIDUAL_THREADS": 256, "ROW_NORM_THREADS": 128, "ROW_NORM_MAX_STEPS": 11, "ROW_NORM_BATCH": 2,
     "RESIDUAL_NORM_THREADS": 64, "RESIDUAL_NORM_BATCH": 6, "RESIDUAL_AMAX_BATCH": 6,
     "RESIDUAL_NORM_MIN_CTAS": 8,  # 8 CTAs x 2 warps per SM: at most 128 registers (9 or 10 spill at these batches)
+    "PACK_MIN_CTAS": 5, "PLAIN_MIN_CTAS": 4,  # resident CTAs of 256 threads the packs' register budget keeps on sm_90
 }
 ABSMAX_CTAS_PER_SM = 4
 # The RMSNorm + RoPE kernel handles H3's heads only: 128 dims, rotation over the first 96 (48 pairs).
@@ -107,7 +108,15 @@ class _RowNormParams(ctypes.Structure):
         ("mod_index", ctypes.c_void_p), ("rows", ctypes.c_int64), ("cols", ctypes.c_int64),
         ("norm_weight", ctypes.c_void_p), ("eps", ctypes.c_float), ("rstd", ctypes.c_void_p),
         ("mod_scale", ctypes.c_void_p), ("mod_shift", ctypes.c_void_p), ("mod_row_stride", ctypes.c_int64),
-        ("out", _GlobalScaleOut),
+        ("out", _GlobalScaleOut), ("bound_scale", ctypes.c_void_p), ("bound_shift", ctypes.c_void_p),
+    ]
+
+
+class _ModBoundsParams(ctypes.Structure):
+    _fields_ = [
+        ("norm_weight", ctypes.c_void_p), ("mod_scale", ctypes.c_void_p), ("mod_shift", ctypes.c_void_p),
+        ("mod_row_stride", ctypes.c_int64), ("table_rows", ctypes.c_int64), ("cols", ctypes.c_int64),
+        ("bound_scale", ctypes.c_void_p), ("bound_shift", ctypes.c_void_p),
     ]
 
 
@@ -210,6 +219,29 @@ def _workspace(device: torch.device, stream: int) -> torch.Tensor:
 
 def _global_scale_out(device, stream, out: torch.Tensor) -> _GlobalScaleOut:
     return _GlobalScaleOut(_workspace(device, stream).data_ptr(), out.data_ptr())
+
+
+# ---- per-(device, stream) tables of the amax bounds (nvfp4_pack.cu, h3_modulation_bounds) --------------------
+# Stream-ordered reuse: every amax launch rebuilds them right before it, on the same stream.
+
+_bounds: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _launch_bounds_tables(mod, stream: int, x: torch.Tensor, norm: RmsNorm, modulation: Modulation) -> tuple[int, int]:
+    """Build the amax bounds of every modulation row for ``norm``'s weight; returns the two tables' addresses."""
+    rows, k = modulation.scale.shape[0], x.shape[1]
+    entries = rows * k + rows * k // 8  # bf16 per column, then bf16 per 8 columns (16-byte aligned: k % 16 == 0)
+    key = (x.device.index, stream)
+    table = _bounds.get(key)
+    if table is None or table.numel() < entries:
+        with _workspace_lock:
+            table = _bounds[key] = torch.empty(max(entries, 8 * 6048), dtype=torch.int16, device=x.device)
+    scale_bounds, shift_bounds = table.data_ptr(), table.data_ptr() + 2 * rows * k
+    params = _ModBoundsParams(norm.weight.data_ptr(), modulation.scale.data_ptr(), modulation.shift.data_ptr(),
+                              modulation.scale.stride(0), rows, k, scale_bounds, shift_bounds)
+    grid = max(1, min(-(-rows * (k // 8) // 256), mod.sm_count * 8))
+    mod.launch("h3_modulation_bounds", grid, 256, params, stream)
+    return scale_bounds, shift_bounds
 
 
 # ---- SwiGLU silu table: torch's own bf16 silu of every bf16 bit pattern --------------------------------------
@@ -359,6 +391,7 @@ def _row_norm_launch(kernel: str, x, norm: RmsNorm, *, other=None, gate=None, mo
         params.mod_scale, params.mod_shift = modulation.scale.data_ptr(), modulation.shift.data_ptr()
         params.mod_row_stride = modulation.scale.stride(0)
         params.out = _global_scale_out(x.device, stream, global_scale_out)
+        params.bound_scale, params.bound_shift = _launch_bounds_tables(mod, stream, x, norm, modulation)
     if other is not None:  # persistent CTAs of two warps, one row at a time, copying the next while finishing it
         threads, shared = LAUNCH["RESIDUAL_NORM_THREADS"], RESIDUAL_NORM_SHARED_BYTES
         grid = max(1, min(x.shape[0], mod.sm_count * mod.resident_ctas(kernel, threads, shared)))
@@ -389,7 +422,8 @@ def _check_norm_outputs(x, norm: RmsNorm, modulation, global_scale_out):
 def norm_statistics(x: torch.Tensor, norm: RmsNorm, *, modulation: Modulation | None = None,
                     global_scale_out: torch.Tensor | None = None) -> None:
     """Write torch's CUDA RMSNorm ``rstd`` of every row of ``x`` into ``norm.rstd``; with ``global_scale_out``, also
-    ComfyUI's dynamic global scale of ``modulate(rms_norm(x))``. One launch, one read of ``x``."""
+    ComfyUI's dynamic global scale of ``modulate(rms_norm(x))``. One read of ``x``; with the global scale a small
+    launch first builds the amax pass's bounds table."""
     _check_norm_outputs(x, norm, modulation, global_scale_out)
     kernel = "h3_row_norm_amax" if global_scale_out is not None else "h3_row_norm_stats"
     _row_norm_launch(kernel, x, norm, modulation=modulation, global_scale_out=global_scale_out)

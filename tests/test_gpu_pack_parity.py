@@ -234,7 +234,9 @@ def _comfy_norm(k, weight):
 
 
 @pytest.mark.parametrize("rows,k,case", [(H3_ROWS, 5376, "random"), (301, 5376, "heavy"), (64, 5376, "specials"),
-                                         (129, 1040, "random"), (33, 5632, "random"), (17, 16, "random")])
+                                         (129, 1040, "random"), (33, 5632, "random"), (17, 16, "random"),
+                                         (4099, 5376, "outlier"), (4099, 5376, "tables"), (301, 5376, "table_specials"),
+                                         (301, 5376, "subnormal")])
 def test_norm_statistics_and_pack_match_torch_and_comfyui(rows, k, case):
     """rstd equals torch's own ``_fused_rms_norm`` statistics; the normalized, modulated pack (global scale from the
     same pass) equals ComfyUI's RMSNorm module, ``_mod_scale_shift`` and ``from_float``."""
@@ -243,25 +245,56 @@ def test_norm_statistics_and_pack_match_torch_and_comfyui(rows, k, case):
     ops = _ops()
     seed = fresh_seed()
     x = _norm_input(rows, k, case)
+    # bf16 subnormal rows with a tiny eps: rstd near 1e19 and subnormal x |w| |1 + scale| products, where the amax
+    # bounds rely on their absolute margin
+    eps = 1e-38 if case == "subnormal" else 1e-5
+    if case == "subnormal":
+        x = (x.float() * 1e-39).to(torch.bfloat16)
     weight = (1 + torch.randn(k, device="cuda") * 0.1).to(torch.bfloat16)
     shift, scale, _ = _tables(rows, k)
+    _amax_hard_case(case, x, weight, shift, scale)
+    if case == "subnormal":
+        shift.mul_(1e-25)  # the maximum made by the normalized values, not the shift
     segments, index = segments_and_index(rows, 6)
-    norm = RmsNorm(weight, 1e-5, torch.full((rows,), float("nan"), device="cuda"))
+    norm = RmsNorm(weight, eps, torch.full((rows,), float("nan"), device="cuda"))
     g = torch.full((1,), float("nan"), device="cuda")
     ops.norm_statistics(x, norm, modulation=ops.Modulation(scale, shift, index), global_scale_out=g)
-    _, torch_rstd = torch._fused_rms_norm(x, [k], weight, 1e-5)
+    _, torch_rstd = torch._fused_rms_norm(x, [k], weight, eps)
     assert_bit_identical(norm.rstd, torch_rstd.reshape(-1).float(), f"rstd {case} [{rows}, {k}] seed {seed}")
-    h = _h3()._mod_scale_shift(_comfy_norm(k, weight)(x), shift, scale, segments)
+    from h3_fused_nvfp4.integration.selfcheck import _comfy_rms_norm
+
+    h = _h3()._mod_scale_shift(_comfy_rms_norm(k, weight, eps)(x), shift, scale, segments)
     fused = fused_pack(x, global_scale=g, modulation=ops.Modulation(scale, shift, index), norm=norm)
     assert_same_pack(fused, *comfy_pack(h), f"normalized pack {case} [{rows}, {k}] seed {seed}")
-    stats_only = RmsNorm(weight, 1e-5, torch.full((rows,), float("nan"), device="cuda"))  # poisoned
+    stats_only = RmsNorm(weight, eps, torch.full((rows,), float("nan"), device="cuda"))  # poisoned
     ops.norm_statistics(x, stats_only)
     assert_bit_identical(stats_only.rstd, norm.rstd, "statistics without the amax")
 
 
+def _amax_hard_case(case, x, weight, shift, scale):
+    """Inputs where the bounded amax pass (nvfp4_pack.cu, bounded_amax) must not skip the element that decides the
+    maximum: a lone outlier in the last row's last chunk; the maximum made by a shift, a large 1 + scale, or next to
+    a tiny norm weight; non-finite table entries."""
+    rows, k = x.shape
+    if case == "outlier":
+        x[-1, k - 3] = 3000.0
+    elif case == "tables":
+        shift[:, 17] = 1.0e4        # the maximum comes from the shift term
+        scale[:, 40] = 60.0         # ... or from a large 1 + scale
+        weight[500] = 1.0e-30       # |w| |1 + scale| underflows next to ordinary columns
+        x[rows // 2, 500] = 1.0e30
+    elif case == "table_specials":
+        scale[1, 33] = float("inf")
+        shift[2, k - 1] = float("nan")
+    elif case == "zeros":
+        x.zero_()
+
+
 @pytest.mark.parametrize("with_amax", [True, False])
-@pytest.mark.parametrize("rows,k", [(H3_ROWS, 5376), (129, 1040), (33, 5632)])  # full H3, a part chunk, the widest
-def test_residual_with_next_norm_statistics_matches_comfyui(with_amax, rows, k):
+@pytest.mark.parametrize("rows,k,case", [(H3_ROWS, 5376, "random"), (129, 1040, "random"), (33, 5632, "random"),
+                                         (4099, 5376, "outlier"), (4099, 5376, "tables"),
+                                         (301, 5376, "table_specials"), (301, 5376, "zeros")])
+def test_residual_with_next_norm_statistics_matches_comfyui(with_amax, rows, k, case):
     """The gated residual that also produces the next norm's statistics (and the next projection's scale) against
     ``_mod_gate`` + ComfyUI's RMSNorm + ``_mod_scale_shift`` + ``from_float``."""
     from h3_fused_nvfp4.layout import RmsNorm
@@ -272,6 +305,9 @@ def test_residual_with_next_norm_statistics_matches_comfyui(with_amax, rows, k):
     shift, scale, gates = _tables(rows, k)
     segments, index = segments_and_index(rows, 6)
     weight = (1 + torch.randn(k, device="cuda") * 0.1).to(torch.bfloat16)
+    _amax_hard_case(case, x, weight, shift, scale)
+    if case == "zeros":
+        other.zero_()
     norm = RmsNorm(weight, 1e-5, torch.full((rows,), float("nan"), device="cuda"))
     g = torch.full((1,), float("nan"), device="cuda")
     static = torch.tensor([4.0 / 2688], device="cuda")
@@ -284,7 +320,8 @@ def test_residual_with_next_norm_statistics_matches_comfyui(with_amax, rows, k):
     h = _h3()._mod_scale_shift(_comfy_norm(k, weight)(stock), shift, scale, segments)
     kwargs = dict(global_scale=g) if with_amax else dict(static_scale=static)
     packed = fused_pack(fused, modulation=modulation, norm=norm, **kwargs)
-    assert_same_pack(packed, *comfy_pack(h, None if with_amax else static), f"pack after the residual [{rows}, {k}] seed {seed}")
+    assert_same_pack(packed, *comfy_pack(h, None if with_amax else static),
+                     f"pack after the residual {case} [{rows}, {k}] seed {seed}")
 
 
 def test_unsupported_norm_inputs_are_refused_with_a_reason():

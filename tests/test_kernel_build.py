@@ -36,6 +36,7 @@ KERNELS = (
     "h3_row_norm_amax",
     "h3_row_norm_residual_stats",
     "h3_row_norm_residual_amax",
+    "h3_modulation_bounds",
 )
 EMULATE = (("NVFP4_EMULATE_BLACKWELL", 1),)
 # Targets that must build (GB10 and RTX 50 are sm_121/sm_120, B200 sm_100, H200 the sm_90 development target).
