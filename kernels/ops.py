@@ -30,7 +30,7 @@ from . import runtime
 LAUNCH = {
     "PACK_THREADS": 256, "ABSMAX_THREADS": 512, "ITEMS": 1, "PLAIN_ITEMS": 4, "SWIGLU_ITEMS": 1, "SILU_TABLE_THREADS": 1024,
     "RESIDUAL_THREADS": 256, "ROW_NORM_THREADS": 128, "ROW_NORM_MAX_STEPS": 11, "ROW_NORM_BATCH": 2,
-    "RESIDUAL_NORM_THREADS": 64, "RESIDUAL_NORM_BATCH": 6, "RESIDUAL_AMAX_BATCH": 6,
+    "RESIDUAL_NORM_THREADS": 64, "RESIDUAL_NORM_BATCH": 6, "RESIDUAL_AMAX_BATCH": 8,
     "RESIDUAL_NORM_MIN_CTAS": 8,  # 8 CTAs x 2 warps per SM: at most 128 registers (9 or 10 spill at these batches)
     "PACK_MIN_CTAS": 5, "PLAIN_MIN_CTAS": 4,  # resident CTAs of 256 threads the packs' register budget keeps on sm_90
 }
