@@ -235,6 +235,7 @@ def _launch_bounds_tables(mod, stream: int, x: torch.Tensor, norm: RmsNorm, modu
     table = _bounds.get(key)
     if table is None or table.numel() < entries:
         with _workspace_lock:
+            # at least 8 modulation rows at H3's width (8 x (5376 + 5376 / 8)): the usual calls never reallocate
             table = _bounds[key] = torch.empty(max(entries, 8 * 6048), dtype=torch.int16, device=x.device)
     scale_bounds, shift_bounds = table.data_ptr(), table.data_ptr() + 2 * rows * k
     params = _ModBoundsParams(norm.weight.data_ptr(), modulation.scale.data_ptr(), modulation.shift.data_ptr(),
