@@ -12,7 +12,8 @@ import torch
 from conftest import requires_cuda
 from h3_fused_nvfp4.integration import synthetic as syn
 from parity import assert_bit_identical, fresh_seed
-from test_h3_block_cpu import assert_fully_fused, fused, linears, recorded_both_ways, run_blocks
+from test_h3_block_cpu import (assert_block_check_passes, assert_fully_fused, fused, linears, recorded_both_ways,
+                               run_blocks)
 
 pytestmark = [requires_cuda, pytest.mark.usefixtures("comfyui")]
 
@@ -74,14 +75,7 @@ def test_block_check_on_the_gpu():
     seed = fresh_seed()
     blocks = _blocks(seed, n=2)
     inputs = _inputs(seed + 2)
-    stock = _warm_stock(blocks, inputs)
-    with fused(blocks, block_check=True) as patches:
-        first = run_blocks(blocks, inputs)
-        state = patches["blocks.0.forward"].state
-        assert state.block_check == "passed", state.block_check_detail
-        second = run_blocks(blocks, inputs)
-    assert_bit_identical(first, stock, "the checking call")
-    assert_bit_identical(second, stock, "after the check")
+    assert_block_check_passes(blocks, inputs, _warm_stock(blocks, inputs))
 
 
 def test_cuda_graph_capture_and_replay():

@@ -171,12 +171,9 @@ def test_weight_function_on_one_layer_falls_back_exactly():
     assert all(v.calls_fused == 1 for v in linears(patches) if v is not qkv)
 
 
-def test_block_check_passes_and_returns_the_stock_result():
-    """The first patched call runs both arms on its input, records the verdict and returns the stock result."""
-    seed = fresh_seed()
-    blocks = [syn.make_dit_block(seed=seed + i) for i in range(2)]
-    inputs = syn.make_block_inputs(tokens=TOKENS, seed=seed + 2)
-    stock = run_blocks(blocks, inputs)
+def assert_block_check_passes(blocks, inputs, stock):
+    """The first patched call runs both arms on its input, records a passing verdict and returns the stock result;
+    the next call (fused) gives the same bits."""
     with fused(blocks, block_check=True) as patches:
         first = run_blocks(blocks, inputs)
         state = patches["blocks.0.forward"].state
@@ -184,6 +181,13 @@ def test_block_check_passes_and_returns_the_stock_result():
         second = run_blocks(blocks, inputs)
     assert_bit_identical(first, stock, "the checking call")
     assert_bit_identical(second, stock, "after the check")
+
+
+def test_block_check_passes_and_returns_the_stock_result():
+    seed = fresh_seed()
+    blocks = [syn.make_dit_block(seed=seed + i) for i in range(2)]
+    inputs = syn.make_block_inputs(tokens=TOKENS, seed=seed + 2)
+    assert_block_check_passes(blocks, inputs, run_blocks(blocks, inputs))
 
 
 def recorded_both_ways(blocks, inputs, block_check=False):
