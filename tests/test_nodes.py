@@ -70,6 +70,21 @@ def built_in_graph(build):
     return factory
 
 
+def _run_patched_and_comfy(build, tag, *, seed, what):
+    """The model ``build()`` returns, through the Patch node (node "1") and through the Toggle set to ComfyUI's path
+    (node "2"), one forward each on the same input: the two outputs must be bit-identical. Returns the run."""
+    run = ch.run_prompt({"s": ch.model_source_node(ch.register_model(built_in_graph(build))),
+                         "1": {"class_type": "H3FusedNVFP4Patch", "inputs": {"model": ["s", 0], "scope": "block"}},
+                         "2": {"class_type": "H3FusedNVFP4Toggle",
+                               "inputs": {"model": ["s", 0], "path": "comfy", "scope": "as patched"}},
+                         "f1": ch.forward_node(["2", 0], f"{tag} comfy", seed=seed),
+                         "f2": ch.forward_node(["1", 0], f"{tag} fused", seed=seed)})
+    run.raise_for_status()
+    for a, b in ch.forward_pairs(f"{tag} fused", f"{tag} comfy"):
+        assert_bit_identical(a, b, what)
+    return run
+
+
 def stock_forwards(diffusion_model):
     return {name: type(m).forward for name, m in diffusion_model.named_modules()}
 
@@ -148,15 +163,7 @@ def test_patch_node_after_comfyui_sparse_attention(pack, model_file, clean_model
                                             end_percent=1.0, min_tokens=0, dense_blocks="",
                                             sink_conditioning="exact_kv_and_rows", extra_tokens=256, verbose=False)
 
-    run = ch.run_prompt({"s": ch.model_source_node(ch.register_model(built_in_graph(build))),
-                         "1": {"class_type": "H3FusedNVFP4Patch", "inputs": {"model": ["s", 0], "scope": "block"}},
-                         "2": {"class_type": "H3FusedNVFP4Toggle",
-                               "inputs": {"model": ["s", 0], "path": "comfy", "scope": "as patched"}},
-                         "f1": ch.forward_node(["2", 0], "sparse comfy", seed=6),
-                         "f2": ch.forward_node(["1", 0], "sparse fused", seed=6)})
-    run.raise_for_status()
-    for a, b in ch.forward_pairs("sparse fused", "sparse comfy"):
-        assert_bit_identical(a, b, "under ComfyUI's sparse-attention patch")
+    run = _run_patched_and_comfy(build, "sparse", seed=6, what="under ComfyUI's sparse-attention patch")
     patched = run.output("1")
     replace = patched.model_options["transformer_options"]["patches_replace"]["dit"]
     assert ("double_block", 0) in replace  # the sparse node's block patch is still installed around ours
@@ -256,16 +263,8 @@ def test_lora_weight_wrapper_takes_comfyui_path_for_that_layer(pack, model_file,
         source.add_weight_wrapper(f"diffusion_model.{lora_layer}.weight", lambda weight: weight)
         return source
 
-    run = ch.run_prompt({"1": ch.model_source_node(ch.register_model(built_in_graph(build))),
-                         "2": {"class_type": "H3FusedNVFP4Patch", "inputs": {"model": ["1", 0], "scope": "block"}},
-                         "3": {"class_type": "H3FusedNVFP4Toggle",
-                               "inputs": {"model": ["1", 0], "path": "comfy", "scope": "as patched"}},
-                         "f1": ch.forward_node(["3", 0], "lora comfy", seed=7),
-                         "f2": ch.forward_node(["2", 0], "lora fused", seed=7)})
-    run.raise_for_status()
-    for a, b in ch.forward_pairs("lora fused", "lora comfy"):
-        assert_bit_identical(a, b, "LoRA-like wrapper")
-    linears = {v.name: v for v in run.output("2").object_patches.values() if type(v).__name__ == "FusedNVFP4Linear"}
+    run = _run_patched_and_comfy(build, "lora", seed=7, what="LoRA-like wrapper")
+    linears = {v.name: v for v in run.output("1").object_patches.values() if type(v).__name__ == "FusedNVFP4Linear"}
     assert linears[lora_layer].calls_fused == 0 and linears[lora_layer].calls_stock > 0
     assert all(v.calls_fused > 0 for k, v in linears.items() if k.startswith("blocks.") and k != lora_layer)
 
