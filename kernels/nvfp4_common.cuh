@@ -142,6 +142,43 @@ NVFP4_DEVICE float silu_bf16(float x) {
     return bf16_to_f32(f32_to_bf16(__fdiv_rn(x, __fadd_rn(1.0f, expf(-x)))));
 }
 
+// bf16(bf16(silu(gate)) * up) for a word of two gates and two ups (torch's silu_ then mul_).
+NVFP4_DEVICE u32 swiglu_evaluated_x2(u32 gate, u32 up) {
+    return pack_bf16x2(__fmul_rn(silu_bf16(bf16_lo(gate)), bf16_lo(up)), __fmul_rn(silu_bf16(bf16_hi(gate)), bf16_hi(up)));
+}
+
+// The same for 8 words with silu looked up in a window of torch's silu table: |x| in [2^-16, 2^8) for both signs,
+// SILU_WINDOW entries each (positive x first; kernels/ops.py silu_window_table slices it from torch's silu of every
+// bf16 value). If any of the 16 gates is outside the window (tiny, huge, inf or NaN: rare in activations) all are
+// evaluated. v = gate - LO per half keeps the sign in bit 15 and |x| - LO in bits 0-14; a low half below LO borrows
+// from the high half but is itself outside the window, so the words are evaluated. A half is in the window iff
+// (v & 0x7FFF) < SILU_WINDOW. tests/test_gpu_arith.py checks every bf16 gate, in aligned and straddling groups.
+#define SILU_WINDOW_LO 0x3780u  // |x| bits of 2^-16
+#define SILU_WINDOW 0xC00u      // up to 2^8: 24 binades of 128 values
+NVFP4_DEVICE u32 silu_window_offset(u32 v16) {  // byte offset of the entry of v's half
+    return 2u * (v16 & 0x7FFFu) + (v16 >> 15) * (2u * SILU_WINDOW);
+}
+NVFP4_DEVICE void swiglu_window_x8(const u32 g[8], const u32 u[8], const u16* window, u32 w[8]) {
+    u32 v[8], outside = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        v[i] = g[i] - (SILU_WINDOW_LO | (SILU_WINDOW_LO << 16));
+        outside = __vmaxu2(outside, v[i] & 0x7FFF7FFFu);
+    }
+    if (max(outside & 0xFFFFu, outside >> 16) >= SILU_WINDOW) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = swiglu_evaluated_x2(g[i], u[i]);
+        return;
+    }
+    const u8* table = reinterpret_cast<const u8*>(window);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const u32 lo = *reinterpret_cast<const u16*>(table + silu_window_offset(v[i] & 0xFFFFu));
+        const u32 hi = *reinterpret_cast<const u16*>(table + silu_window_offset(v[i] >> 16));
+        w[i] = bf16x2_mul(lo | (hi << 16), u[i]);
+    }
+}
+
 // torch.amax semantics for the global scale: NaN wins. On |x| bit patterns (sign cleared) an unsigned
 // compare orders every NaN above +inf, so an integer max is exact and NaN-propagating.
 NVFP4_DEVICE u32 abs_bits_max_x2(u32 acc, u32 pair) { return __vmaxu2(acc, pair & 0x7FFF7FFFu); }

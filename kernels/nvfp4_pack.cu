@@ -16,7 +16,9 @@
 //                       re-arms its workspace. No host sync: the pack kernel reads g from memory.
 //   nvfp4_pack_*        one pass over h: block scales + E2M1 codes (nvfp4_common.cuh), every padding byte written
 //                       here (pad rows of qdata, pad rows and columns of the scales), so no zero-fill launch; CTA 0
-//                       also writes the GEMM alpha g * weight_scale_2 for comfy-kitchen's device-alpha GEMM.
+//                       also writes the GEMM alpha g * weight_scale_2 for comfy-kitchen's device-alpha GEMM. The
+//                       SwiGLU pack looks silu up in torch's own table: all 65536 entries (_table, 128 KB of shared
+//                       memory) or the 12 KB window (_window, where 128 KB do not fit), or evaluates it (_swiglu).
 //   h3_gated_residual   x[r] += other[r] * gate[m] in place (ComfyUI's per-segment addcmul_).
 //   h3_row_norm_*       RMSNorm statistics of x (optionally first updated by the gated residual): rstd[r] with
 //                       torch's CUDA rms_norm arithmetic, and optionally the amax of the modulated, normalized rows
@@ -49,7 +51,8 @@
     !defined(ABSMAX_THREADS) || !defined(RESIDUAL_THREADS) || !defined(ROW_NORM_THREADS) ||                         \
     !defined(ROW_NORM_MAX_STEPS) || !defined(ROW_NORM_BATCH) || !defined(RESIDUAL_NORM_THREADS) ||   \
     !defined(RESIDUAL_NORM_BATCH) || !defined(RESIDUAL_AMAX_BATCH) || !defined(RESIDUAL_NORM_MIN_CTAS) ||           \
-    !defined(PACK_MIN_CTAS) || !defined(PLAIN_MIN_CTAS)
+    !defined(PACK_MIN_CTAS) || !defined(PLAIN_MIN_CTAS) || !defined(SILU_WINDOW_MIN_CTAS) ||           \
+    !defined(SWIGLU_SCALE_EVICT_LAST)
 #error "kernels/ops.py passes the launch constants (ITEMS, PLAIN_ITEMS, PACK_THREADS, ...) as -D options"
 #endif
 
@@ -141,6 +144,7 @@ struct ModBoundsParams {
 // Each source splits its addressing into a per-row part (Row, formed once per row: the loop's stores would force
 // the row's index, rstd and table pointers to be re-read from memory for every block) and per-column loads.
 struct PlainSource {
+    static constexpr bool kScaleEvictLast = false;  // see store_scale_word
     struct Row { const u16* x; };
     static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return Row{p.x + r * p.x_row_stride}; }
     // Through L1: each lane reads 32 contiguous bytes in two 16-byte loads, and the second load of each sector
@@ -160,6 +164,7 @@ NVFP4_DEVICE u32 modulate_x2(u32 x, u32 scale, u32 shift) {
 // three bf16x2 operations (each one rounding, the same as torch's fp32 opmath for bf16 operands; see
 // nvfp4_common.cuh), two values per instruction.
 struct ModulateSource {
+    static constexpr bool kScaleEvictLast = false;
     struct Row { const u16* x; const u16* scale; const u16* shift; };
     static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) {
         const i64 m = p.mod_index[r];
@@ -185,6 +190,7 @@ NVFP4_DEVICE u32 rms_norm_x2(u32 x, u32 w, float rstd) {
 // RMSNorm folded in front of the modulation: n = bf16(w * (rstd * x)) with rstd from h3_row_norm_* (torch's
 // rms_norm output, element for element), then ModulateSource's three roundings.
 struct NormModulateSource {
+    static constexpr bool kScaleEvictLast = false;
     struct Row { ModulateSource::Row mod; float rstd; };
     static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return Row{ModulateSource::row(p, r), p.rstd[r]}; }
     static __device__ __forceinline__ void load(const SourceParams& p, const Row& row, i64 col, u32 w[4]) {
@@ -202,10 +208,7 @@ struct NormModulateSource {
 
 // silu(gate) * up for a word of two gate and two up values, silu evaluated (torch's formula, fp32 product).
 struct SiluEvaluated {
-    static __device__ __forceinline__ u32 times(u32 gate, u32 up) {
-        return pack_bf16x2(__fmul_rn(silu_bf16(bf16_lo(gate)), bf16_lo(up)),
-                           __fmul_rn(silu_bf16(bf16_hi(gate)), bf16_hi(up)));
-    }
+    static __device__ __forceinline__ u32 times(u32 gate, u32 up) { return swiglu_evaluated_x2(gate, up); }
 };
 
 // The same with silu looked up: the table (kernels/ops.py builds it with torch's own silu on every bf16 value, so
@@ -219,8 +222,39 @@ struct SiluLookedUp {
     }
 };
 
+// The same with a window of the table (nvfp4_common.cuh swiglu_window_x8), 12 KB of shared memory: several CTAs
+// per SM fit, and so does sm_120's shared memory. Its four loads first, then the window test for all 16 gates.
+extern __shared__ __align__(16) u16 silu_window_shared[];
+
+struct SwigluWindowSource {
+    static constexpr bool kScaleEvictLast = SWIGLU_SCALE_EVICT_LAST;
+    using Row = PlainSource::Row;
+    static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return PlainSource::row(p, r); }
+    static __device__ __forceinline__ void load16(const SourceParams& p, const Row& r, i64 col, u32 w[8]) {
+        const u16* base = r.x + col;
+        const u32x4 g0 = load_16B_stream(base), g1 = load_16B_stream(base + 8);
+        const u32x4 u0 = load_16B_stream(base + p.up_offset), u1 = load_16B_stream(base + p.up_offset + 8);
+        const u32 g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+        const u32 u[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+        swiglu_window_x8(g, u, silu_window_shared, w);
+    }
+};
+
+// A 16-value block of any source: two 8-value loads, unless the source loads whole blocks.
+template <class Source>
+__device__ __forceinline__ void load_block16(const SourceParams& p, const typename Source::Row& r, i64 col, u32 w[8]) {
+    Source::load(p, r, col, w);
+    Source::load(p, r, col + 8, w + 4);
+}
+template <>
+__device__ __forceinline__ void load_block16<SwigluWindowSource>(const SourceParams& p, const SwigluWindowSource::Row& r,
+                                                                 i64 col, u32 w[8]) {
+    SwigluWindowSource::load16(p, r, col, w);
+}
+
 template <class Silu>
 struct SwigluSource {
+    static constexpr bool kScaleEvictLast = SWIGLU_SCALE_EVICT_LAST;
     using Row = PlainSource::Row;
     static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return PlainSource::row(p, r); }
     static __device__ __forceinline__ void load(const SourceParams& p, const Row& r, i64 col, u32 w[4]) {
@@ -346,6 +380,33 @@ __device__ __forceinline__ void absmax_swiglu_body(const AbsmaxParams& p) {
 
 // ---- pack ------------------------------------------------------------------------------------------------
 
+// A 32-byte sector of the swizzled scales holds the words of 8 rows (r..r+7 of each 32-row quarter), written by 8
+// warps at about the same time. Under a long input stream (the SwiGLU pack reads 2.2 GB) L2 evicts some sectors
+// half written, and each costs a DRAM read-modify-write: there the words go out with L2 evict_last (H200, SwiGLU
+// pack at H3's fc2: 0.679 -> 0.633-0.644 ms, and 13 MB less DRAM traffic; the packs of 5376 / 7168 columns gain
+// nothing and keep plain stores; benchmarks/h200-scale-store-sweep.json runs 3, 6, 9). One
+// wave of rows later, when those warps are done, release_scale_lines returns the lines to normal priority, so they
+// do not hold L2 after the pack.
+template <bool EvictLast>
+__device__ __forceinline__ void store_scale_word(u8* p, u32 word) {
+    if (EvictLast) {
+        asm volatile("{ .reg .b64 pol;\n"
+                     "  createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
+                     "  st.global.L2::cache_hint.u32 [%0], %1, pol; }" :: "l"(p), "r"(word) : "memory");
+    } else {
+        asm volatile("st.global.u32 [%0], %1;" :: "l"(p), "r"(word) : "memory");
+    }
+}
+// The warp of the first row of each 8 x 4 group (row % 128 in {0, 8, 16, 24}) releases the group's lines: one 128-byte
+// line per 512-byte column-group tile.
+NVFP4_DEVICE void release_scale_lines(u8* scales, u32 row, u32 scale_groups, u32 lane) {
+    if ((row & 0x67u) != 0) return;
+    const u8* line = scales + swizzled_scale_offset32(row, 0, scale_groups * 4);
+    for (u32 c = lane; c < scale_groups; c += 32) {
+        asm volatile("applypriority.global.L2::evict_normal [%0], 128;" :: "l"(line + 512 * c) : "memory");
+    }
+}
+
 template <class Source, int Items>
 __device__ __forceinline__ void pack_body(const PackParams& p) {
     const SourceParams& s = p.src;
@@ -358,7 +419,9 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
     const u32 warps_total = gridDim.x * (blockDim.x >> 5);
     if (p.alpha_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) p.alpha_out[0] = __fmul_rn(g, p.weight_scale_2[0]);
 
-    for (u32 row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; row < rows128; row += warps_total) {
+    u32 row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    for (; row < rows128; row += warps_total) {
+        if (Source::kScaleEvictLast && row >= warps_total) release_scale_lines(p.scales, row - warps_total, scale_groups, lane);
         const bool data_row = row < rows;
         const bool packed_row = row < rows16;
         u8* qrow = p.qdata + (u64)row * (cols / 2);
@@ -374,8 +437,7 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
             for (int i = 0; i < Items; ++i) {
                 const u32 col = (c0 + 32 * i + lane) * 16;
                 if (data_row && col < cols) {
-                    Source::load(s, src_row, (i64)col, w[i]);
-                    Source::load(s, src_row, (i64)col + 8, w[i] + 4);
+                    load_block16<Source>(s, src_row, (i64)col, w[i]);
                 } else {
 #pragma unroll
                     for (int j = 0; j < 8; ++j) w[i][j] = 0;
@@ -397,10 +459,11 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
                 if (packed_row && in_cols) {
                     asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(qrow + 8 * c), "r"(lo), "r"(hi) : "memory");
                 }
-                if (lane == group_leader) asm volatile("st.global.u32 [%0], %1;" :: "l"(srow + 512 * (c >> 2)), "r"(word) : "memory");
+                if (lane == group_leader) store_scale_word<Source::kScaleEvictLast>(srow + 512 * (c >> 2), word);
             }
         }
     }
+    if (Source::kScaleEvictLast && row >= warps_total) release_scale_lines(p.scales, row - warps_total, scale_groups, lane);
 }
 
 // ---- gated residual --------------------------------------------------------------------------------------
@@ -766,6 +829,15 @@ extern "C" __global__ void __launch_bounds__(SILU_TABLE_THREADS, 1) nvfp4_pack_s
     }
     __syncthreads();
     pack_body<SwigluSource<SiluLookedUp>, SWIGLU_ITEMS>(p);
+}
+// Persistent CTAs (kernels/ops.py: the resident count), each copying the 12 KB window once.
+extern "C" __global__ void __launch_bounds__(PACK_THREADS, SILU_WINDOW_MIN_CTAS) nvfp4_pack_swiglu_window(const PackParams p) {
+    for (u32 i = threadIdx.x; i < 2 * SILU_WINDOW / 8; i += blockDim.x) {
+        const u32x4 v = load_16B(p.src.silu_table + 8 * i);
+        *reinterpret_cast<u32x4*>(silu_window_shared + 8 * i) = v;
+    }
+    __syncthreads();
+    pack_body<SwigluWindowSource, SWIGLU_ITEMS>(p);
 }
 extern "C" __global__ void __launch_bounds__(RESIDUAL_THREADS) h3_gated_residual(const GatedResidualParams p) { gated_residual_body(p); }
 extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) h3_row_norm_stats(const RowNormParams p) { row_norm_body<false>(p); }

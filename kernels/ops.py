@@ -33,6 +33,8 @@ LAUNCH = {
     "RESIDUAL_NORM_THREADS": 64, "RESIDUAL_NORM_BATCH": 6, "RESIDUAL_AMAX_BATCH": 8,
     "RESIDUAL_NORM_MIN_CTAS": 8,  # 8 CTAs x 2 warps per SM: at most 128 registers (9 or 10 spill at these batches)
     "PACK_MIN_CTAS": 5, "PLAIN_MIN_CTAS": 4,  # resident CTAs of 256 threads the packs' register budget keeps on sm_90
+    "SILU_WINDOW_MIN_CTAS": 5,  # the windowed-silu SwiGLU pack (kernels/ops.py silu_window_table)
+    "SWIGLU_SCALE_EVICT_LAST": 1,  # the SwiGLU packs store block scales with L2 evict_last (nvfp4_pack.cu store_scale_word)
 }
 ABSMAX_CTAS_PER_SM = 4
 # The RMSNorm + RoPE kernel handles H3's heads only: 128 dims, rotation over the first 96 (48 pairs).
@@ -264,10 +266,32 @@ def silu_table(device: torch.device) -> torch.Tensor:
     return table
 
 
-def _silu_table_fits(mod) -> bool:
+SILU_WINDOW_LO, SILU_WINDOW = 0x3780, 0xC00  # must match nvfp4_common.cuh: |x| in [2^-16, 2^8)
+SILU_WINDOW_SHARED_BYTES = 2 * SILU_WINDOW * 2
+# How the SwiGLU pack gets silu: None picks the whole table where it fits (sm_90, sm_100) and its 12 KB window
+# elsewhere (sm_120 / sm_121: 99 KB of shared memory). H200, fc2's input: table 0.64 ms, window 0.67 ms,
+# evaluated 1.06 ms (benchmarks/h200-scale-store-sweep.json run 9). Tests force "table", "window" and "evaluated".
+SWIGLU_SILU: str | None = None
+_silu_window_tables: dict[int, torch.Tensor] = {}
+
+
+def silu_window_table(device: torch.device) -> torch.Tensor:
+    """bf16 ``[2 * SILU_WINDOW]``: the entries of :func:`silu_table` for |x| in [2^-16, 2^8), positive x first."""
+    table = _silu_window_tables.get(device.index)
+    if table is None:
+        full = silu_table(device)
+        lo, hi = SILU_WINDOW_LO, SILU_WINDOW_LO + SILU_WINDOW
+        table = _silu_window_tables.setdefault(device.index, torch.cat([full[lo:hi], full[0x8000 + lo:0x8000 + hi]]))
+    return table
+
+
+def _swiglu_silu(mod) -> str:
     """The table kernel needs 128 KB of shared memory per CTA (sm_90 / sm_100 have 227 KB, sm_120 has 99 KB); the
-    Blackwell emulation build takes the sm_120 path (silu evaluated)."""
-    return mod.max_shared_per_block >= SILU_TABLE_SHARED_BYTES and not emulating_blackwell()
+    Blackwell emulation build takes the sm_120 path (the window)."""
+    fits = mod.max_shared_per_block >= SILU_TABLE_SHARED_BYTES and not emulating_blackwell()
+    if SWIGLU_SILU is None or (SWIGLU_SILU == "table" and not fits):
+        return "table" if fits else "window"
+    return SWIGLU_SILU
 
 
 # ---- public API -------------------------------------------------------------------------------------------
@@ -365,7 +389,12 @@ def pack_nvfp4(
     want_alpha = weight_scale_2 is not None and static_scale is None
     kernel, threads, shared = f"nvfp4_pack_{variant}", LAUNCH["PACK_THREADS"], 0
     grid = max(1, min(-(-rows128 // (threads // 32)), mod.sm_count * 64))  # one warp per row
-    if variant == "swiglu" and _silu_table_fits(mod):
+    silu = _swiglu_silu(mod) if variant == "swiglu" else None
+    if silu == "window":  # persistent: each CTA copies the window once
+        src.silu_table = silu_window_table(x.device).data_ptr()
+        kernel, shared = "nvfp4_pack_swiglu_window", SILU_WINDOW_SHARED_BYTES
+        grid = max(1, min(grid, mod.sm_count * mod.resident_ctas(kernel, threads, shared)))
+    elif silu == "table":
         src.silu_table = silu_table(x.device).data_ptr()
         kernel, threads, shared = "nvfp4_pack_swiglu_table", LAUNCH["SILU_TABLE_THREADS"], SILU_TABLE_SHARED_BYTES
         grid = max(1, min(-(-rows128 // (threads // 32)), mod.sm_count))  # one CTA per SM, persistent

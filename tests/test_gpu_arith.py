@@ -5,6 +5,8 @@
 * The evaluated silu (fp32 expf and IEEE division, as PyTorch's kernel) gives torch's bf16 silu for every bf16
   value, including NaN, infinities and subnormals: the SwiGLU kernels evaluate it where the 128 KB lookup table
   does not fit in shared memory, and the global-scale reduction always does.
+* The windowed silu lookup of the SwiGLU pack (a 12 KB slice of that table, the formula outside it) gives torch's
+  bf16 silu for every bf16 gate, in groups inside, outside and straddling the window.
 * The two-at-a-time software E2M1 conversion gives the E2M1 rounding rules' code for every fp32 value in
   [0, +inf] (the pack kernels call it only on Hopper, where the conversion instruction does not exist; the
   routine itself runs on any GPU).
@@ -72,3 +74,13 @@ def test_silu_table_is_torch_silu_of_each_bit_pattern():
         value = torch.tensor([bits - 65536 if bits >= 32768 else bits], dtype=torch.int16).view(torch.bfloat16)
         expected = torch.nn.functional.silu(value.cuda()).view(torch.int16).item() & 0xFFFF
         assert table.view(torch.int16)[bits].item() & 0xFFFF == expected, f"entry {bits:#06x}"
+
+
+@requires_cuda
+@pytest.mark.parametrize("groups", ["aligned", "straddling"])
+def test_windowed_silu_matches_torch_for_every_bf16_gate(groups):
+    from h3_fused_nvfp4.kernels import ops
+
+    device = torch.device("cuda", 0)
+    mismatches, first = _run(f"check_silu_window_{groups}", ops.silu_table(device), ops.silu_window_table(device))
+    assert mismatches == 0, f"{mismatches} groups differ, first group starting at bit pattern {first:#06x}"

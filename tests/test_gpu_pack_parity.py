@@ -173,16 +173,16 @@ def test_modulated_pack_matches_comfyui(rows):
     assert_same_pack(fused, *comfy_pack(stock), f"modulate rows {rows} seed {seed}")
 
 
-@pytest.mark.parametrize("silu", ["table", "formula"])
+@pytest.mark.parametrize("silu", ["window", "table", "evaluated"])
 @pytest.mark.parametrize("rows,case", [(H3_ROWS, "random"), (129, "random"), (4000, "flat"), (300, "inf"),
-                                       (300, "nan"), (300, "negative")])
+                                       (300, "nan"), (300, "negative"), (301, "window_edges")])
 def test_swiglu_pack_matches_comfyui(rows, case, silu, monkeypatch):
-    """Both silu sources: the shared-memory table (sm_90/sm_100) and the evaluated formula (sm_120)."""
+    """Every silu source: the 12 KB window of torch's silu table (the default), the whole 128 KB table and the
+    evaluated formula."""
     import comfy.ops
 
     ops = _ops()
-    if silu == "formula":
-        monkeypatch.setattr(ops, "_silu_table_fits", lambda mod: False)
+    monkeypatch.setattr(ops, "SWIGLU_SILU", silu)
     seed = fresh_seed()
     y = (torch.randn(rows, 2 * 14336, device="cuda") * 3).to(torch.bfloat16)
     if case == "flat":  # every |g * u| close to the max: the amax bound prunes almost nothing
@@ -194,6 +194,10 @@ def test_swiglu_pack_matches_comfyui(rows, case, silu, monkeypatch):
         y[3, 14336 + 100] = float("nan")
     elif case == "negative":  # silu of large negative gates underflows toward -0
         y[:, :14336] = -y[:, :14336].abs() * 20
+    elif case == "window_edges":  # gates at and beyond both ends of the silu window, alone in their block or not
+        edges = torch.tensor([2.0 ** -16, 2.0 ** -17, 255.0, 256.0, 300.0, 0.0, -0.0, 1e-30], device="cuda")
+        y[::3, 16:24] = edges.to(torch.bfloat16)
+        y[1::3, 32:48] = (edges.repeat(2) * -1).to(torch.bfloat16)
     stock = comfy.ops._eager_input_act(y, "swiglu")
     assert_same_pack(fused_pack(y, swiglu=True), *comfy_pack(stock), f"swiglu {case} rows {rows} seed {seed}")
 

@@ -31,6 +31,7 @@ KERNELS = (
     "nvfp4_pack_norm_modulate",
     "nvfp4_pack_swiglu",
     "nvfp4_pack_swiglu_table",
+    "nvfp4_pack_swiglu_window",
     "h3_gated_residual",
     "h3_row_norm_stats",
     "h3_row_norm_amax",

@@ -1,7 +1,10 @@
 // Exhaustive checks of the arithmetic identities the sm_90 kernels rely on (tests/test_gpu_arith.py):
 //   * bf16x2 fma-based mul/add == PyTorch's bf16 mul/add (fp32 op, then one rounding to bf16), all operand pairs;
 //   * e2m1_magnitude_codes_x2 == the E2M1 rounding rules, every non-negative fp32 value up to +inf;
-//   * silu_bf16 == torch's bf16 silu (a table torch computed for every bf16 value).
+//   * silu_bf16 == torch's bf16 silu (a table torch computed for every bf16 value);
+//   * swiglu_window_x8 (silu looked up in a window of that table, evaluated outside it) == the same, every bf16
+//     gate, in groups of 16 consecutive bit patterns (each group in or out of the window) and shifted by 8 (groups
+//     straddling the window's ends).
 #include "nvfp4_common.cuh"
 
 // The rules, value by value: count the rounding boundaries below |v|, ties toward the even code (> vs >=),
@@ -58,3 +61,31 @@ extern "C" __global__ void check_silu(u32* mismatches, u32* first_bad, const u16
         }
     }
 }
+
+// Every bf16 gate through swiglu_window_x8 with up = 1 (so the output is bf16(silu(gate))), 16 per thread.
+template <u32 Shift>
+__device__ void check_silu_window(u32* mismatches, u32* first_bad, const u16* torch_silu, const u16* window) {
+    __shared__ __align__(16) u16 staged[2 * SILU_WINDOW];
+    for (u32 i = threadIdx.x; i < 2 * SILU_WINDOW; i += blockDim.x) staged[i] = window[i];
+    __syncthreads();
+    for (u32 group = blockIdx.x * blockDim.x + threadIdx.x; group < 65536 / 16; group += gridDim.x * blockDim.x) {
+        u32 g[8], u[8], w[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const u32 b0 = (16 * group + 2 * j + Shift) & 0xFFFFu, b1 = (b0 + 1) & 0xFFFFu;
+            g[j] = b0 | (b1 << 16);
+            u[j] = BF16X2_ONE;
+        }
+        swiglu_window_x8(g, u, staged, w);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const u32 b0 = g[j] & 0xFFFFu, b1 = g[j] >> 16;
+            if (!same_bf16((u16)w[j], torch_silu[b0]) || !same_bf16((u16)(w[j] >> 16), torch_silu[b1])) {
+                atomicAdd(mismatches, 1u);
+                atomicCAS(first_bad, 0xFFFFFFFFu, b0);
+            }
+        }
+    }
+}
+extern "C" __global__ void check_silu_window_aligned(u32* m, u32* f, const u16* t, const u16* w) { check_silu_window<0>(m, f, t, w); }
+extern "C" __global__ void check_silu_window_straddling(u32* m, u32* f, const u16* t, const u16* w) { check_silu_window<8>(m, f, t, w); }
