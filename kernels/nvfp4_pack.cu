@@ -66,7 +66,7 @@ struct SourceParams {
     const u16* mod_shift;  // bf16 adaLN shift rows
     i64 mod_row_stride;    // in elements
     const i32* mod_index;  // modulation row of each token
-    const u16* silu_table; // SwiGLU with a table: bf16 silu(x) for each of the 65536 bf16 bit patterns x
+    const u16* silu_table; // SwiGLU with a table: bf16 silu(x) for each of the 65536 bf16 bit patterns x (or its window)
     const float* rstd;     // folded RMSNorm: per-row rstd (h3_row_norm_*), and its bf16 weight [K]
     const u16* norm_weight;
 };

@@ -3,8 +3,8 @@
 * bf16x2 multiply / add (one rounding each) give PyTorch's bf16 results (fp32 op, then one rounding) for every
   pair of bf16 operands: the modulation is computed that way, two values per instruction.
 * The evaluated silu (fp32 expf and IEEE division, as PyTorch's kernel) gives torch's bf16 silu for every bf16
-  value, including NaN, infinities and subnormals: the SwiGLU kernels evaluate it where the 128 KB lookup table
-  does not fit in shared memory, and the global-scale reduction always does.
+  value, including NaN, infinities and subnormals: the global-scale reduction evaluates it where a bound says
+  it can matter, and the windowed lookup below outside its window.
 * The windowed silu lookup of the SwiGLU pack (a 12 KB slice of that table, the formula outside it) gives torch's
   bf16 silu for every bf16 gate, in groups inside, outside and straddling the window.
 * The two-at-a-time software E2M1 conversion gives the E2M1 rounding rules' code for every fp32 value in
