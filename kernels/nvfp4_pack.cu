@@ -222,14 +222,18 @@ struct SiluLookedUp {
     }
 };
 
+// What the SwiGLU sources share: rows addressed as plain rows (gate half first), scales stored with evict_last.
+struct SwigluRows {
+    static constexpr bool kScaleEvictLast = SWIGLU_SCALE_EVICT_LAST;
+    using Row = PlainSource::Row;
+    static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return PlainSource::row(p, r); }
+};
+
 // The same with a window of the table (nvfp4_common.cuh swiglu_window_x8), 12 KB of shared memory: several CTAs
 // per SM fit, and so does sm_120's shared memory. Its four loads first, then the window test for all 16 gates.
 extern __shared__ __align__(16) u16 silu_window_shared[];
 
-struct SwigluWindowSource {
-    static constexpr bool kScaleEvictLast = SWIGLU_SCALE_EVICT_LAST;
-    using Row = PlainSource::Row;
-    static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return PlainSource::row(p, r); }
+struct SwigluWindowSource : SwigluRows {
     static __device__ __forceinline__ void load16(const SourceParams& p, const Row& r, i64 col, u32 w[8]) {
         const u16* base = r.x + col;
         const u32x4 g0 = load_16B_stream(base), g1 = load_16B_stream(base + 8);
@@ -253,10 +257,7 @@ __device__ __forceinline__ void load_block16<SwigluWindowSource>(const SourcePar
 }
 
 template <class Silu>
-struct SwigluSource {
-    static constexpr bool kScaleEvictLast = SWIGLU_SCALE_EVICT_LAST;
-    using Row = PlainSource::Row;
-    static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return PlainSource::row(p, r); }
+struct SwigluSource : SwigluRows {
     static __device__ __forceinline__ void load(const SourceParams& p, const Row& r, i64 col, u32 w[4]) {
         const u16* base = r.x + col;
         u32x4 g = load_16B_stream(base);
