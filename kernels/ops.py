@@ -270,8 +270,9 @@ def silu_table(device: torch.device) -> torch.Tensor:
 SILU_WINDOW_LO, SILU_WINDOW = 0x3780, 0xC00  # must match nvfp4_common.cuh: |x| in [2^-16, 2^8)
 SILU_WINDOW_SHARED_BYTES = 2 * SILU_WINDOW * 2
 # How the SwiGLU pack gets silu: None picks the whole table where it fits (sm_90, sm_100) and its 12 KB window
-# elsewhere (sm_120 / sm_121: 99 KB of shared memory). H200, fc2's input: table 0.64 ms, window 0.67 ms,
-# evaluated 1.06 ms (benchmarks/h200-scale-store-sweep.json run 9). Tests force "table", "window" and "evaluated".
+# elsewhere (sm_120 / sm_121: 99 KB of shared memory). H200, fc2's input: table 0.60 ms, window 0.63 ms
+# (benchmarks/h200-load-path-sweep.json run 7), evaluated 1.06 ms (h200-scale-store-sweep.json run 9, before the
+# loads went through L1). Tests force "table", "window" and "evaluated".
 SWIGLU_SILU: str | None = None
 _silu_window_tables: dict[int, torch.Tensor] = {}
 
