@@ -52,7 +52,7 @@
     !defined(ROW_NORM_MAX_STEPS) || !defined(ROW_NORM_BATCH) || !defined(RESIDUAL_NORM_THREADS) ||   \
     !defined(RESIDUAL_NORM_BATCH) || !defined(RESIDUAL_AMAX_BATCH) || !defined(RESIDUAL_NORM_MIN_CTAS) ||           \
     !defined(PACK_MIN_CTAS) || !defined(PLAIN_MIN_CTAS) || !defined(SILU_WINDOW_MIN_CTAS) ||           \
-    !defined(SWIGLU_SCALE_EVICT_LAST) || !defined(SWIGLU_INPUT_L1)
+    !defined(SWIGLU_SCALE_EVICT_LAST)
 #error "kernels/ops.py passes the launch constants (ITEMS, PLAIN_ITEMS, PACK_THREADS, ...) as -D options"
 #endif
 
@@ -141,17 +141,6 @@ struct ModBoundsParams {
 
 // ---- sources ---------------------------------------------------------------------------------------------
 
-// The SwiGLU packs' input (fc1's output, 2.2 GB at H3's shapes) through L1: with L1::no_allocate the
-// table pack ran 0.645 ms on the H200, through L1 0.597 ms (benchmarks/h200-load-path-sweep.json). The modulate
-// packs gain nothing from it and keep the streaming loads.
-NVFP4_DEVICE u32x4 load_swiglu_input(const void* p) {
-#if SWIGLU_INPUT_L1
-    return load_16B(p);
-#else
-    return load_16B_stream(p);
-#endif
-}
-
 // Each source splits its addressing into a per-row part (Row, formed once per row: the loop's stores would force
 // the row's index, rstd and table pointers to be re-read from memory for every block) and per-column loads.
 struct PlainSource {
@@ -233,7 +222,10 @@ struct SiluLookedUp {
     }
 };
 
-// What the SwiGLU sources share: rows addressed as plain rows (gate half first), scales stored with evict_last.
+// What the SwiGLU sources share: rows addressed as plain rows (gate half first), scales stored with evict_last. They
+// read fc1's output (2.2 GB at H3's shapes) through L1, as PlainSource does: with L1::no_allocate the table pack ran
+// 0.645 ms on the H200, through L1 0.597 ms (benchmarks/h200-load-path-sweep.json run 1); the modulate packs gain
+// nothing from it and keep the streaming loads.
 struct SwigluRows {
     static constexpr bool kScaleEvictLast = SWIGLU_SCALE_EVICT_LAST;
     using Row = PlainSource::Row;
@@ -247,8 +239,8 @@ extern __shared__ __align__(16) u16 silu_window_shared[];
 struct SwigluWindowSource : SwigluRows {
     static __device__ __forceinline__ void load16(const SourceParams& p, const Row& r, i64 col, u32 w[8]) {
         const u16* base = r.x + col;
-        const u32x4 g0 = load_swiglu_input(base), g1 = load_swiglu_input(base + 8);
-        const u32x4 u0 = load_swiglu_input(base + p.up_offset), u1 = load_swiglu_input(base + p.up_offset + 8);
+        const u32x4 g0 = load_16B(base), g1 = load_16B(base + 8);
+        const u32x4 u0 = load_16B(base + p.up_offset), u1 = load_16B(base + p.up_offset + 8);
         const u32 g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
         const u32 u[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
         swiglu_window_x8(g, u, silu_window_shared, w);
@@ -271,8 +263,8 @@ template <class Silu>
 struct SwigluSource : SwigluRows {
     static __device__ __forceinline__ void load(const SourceParams& p, const Row& r, i64 col, u32 w[4]) {
         const u16* base = r.x + col;
-        u32x4 g = load_swiglu_input(base);
-        u32x4 u = load_swiglu_input(base + p.up_offset);
+        u32x4 g = load_16B(base);
+        u32x4 u = load_16B(base + p.up_offset);
         const u32 gs[4] = {g.x, g.y, g.z, g.w}, us[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) w[i] = Silu::times(gs[i], us[i]);

@@ -34,7 +34,6 @@ LAUNCH = {
     "RESIDUAL_NORM_MIN_CTAS": 8,  # 8 CTAs x 2 warps per SM: at most 128 registers (9 or 10 spill at these batches)
     "PACK_MIN_CTAS": 5, "PLAIN_MIN_CTAS": 4,  # resident CTAs of 256 threads the packs' register budget keeps on sm_90
     "SILU_WINDOW_MIN_CTAS": 5,  # the windowed-silu SwiGLU pack (kernels/ops.py silu_window_table)
-    "SWIGLU_INPUT_L1": 1,  # the SwiGLU packs read fc1's output through L1 (nvfp4_pack.cu load_swiglu_input)
     "SWIGLU_SCALE_EVICT_LAST": 1,  # the SwiGLU packs store block scales with L2 evict_last (nvfp4_pack.cu store_scale_word)
 }
 ABSMAX_CTAS_PER_SM = 4
