@@ -39,10 +39,11 @@
 // of the swizzled layout. Each lane packs one 16-block (two 16-byte loads, one block scale, 8 bytes of codes) and
 // stores its scale byte: the 4 lanes of a group write their word in one instruction (measured on the H200 against
 // gathering the word with two shuffles for one lane to store: the same DRAM bytes, 3% fewer instructions,
-// norm-modulate 0.181 -> 0.177 ms). Items blocks per lane are in flight to cover DRAM latency. Rows cover [0, roundup(roundup(M,16),128)): rows in
-// [M, roundup(M,16)) are packed from zeros (as comfy-kitchen pads them), rows beyond only get zero scales. Measured
-// slower on the H200 (benchmarks/README.md): splitting a block over two lanes for 512-byte coalesced loads
-// (+17% at K=5376), and persistent warps walking the flat block list across row ends (+34%).
+// norm-modulate 0.181 -> 0.177 ms). Items blocks per lane are in flight to cover DRAM latency. Rows cover
+// [0, roundup(roundup(M,16),128)): rows in [M, roundup(M,16)) are packed from zeros (as comfy-kitchen pads them),
+// rows beyond only get zero scales. Measured slower on the H200 (benchmarks/README.md): splitting a block over two
+// lanes for 512-byte coalesced loads (+17% at K=5376), and persistent warps walking the flat block list across row
+// ends (+34%).
 //
 // Requirements checked on the host (kernels/ops.py): K % 16 == 0, 16-byte aligned rows and tables.
 #include "nvfp4_common.cuh"
@@ -833,7 +834,8 @@ NVFP4_DEVICE void copy_table_to_shared(void* dst, const u16* table, u32 bytes) {
     for (u32 i = threadIdx.x; i < bytes / 16; i += blockDim.x) {
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(base + 16 * i), "l"(table + 8 * i) : "memory");
     }
-    asm volatile("cp.async.wait_all;" ::: "memory");
+    commit_copies();
+    wait_copies();
     __syncthreads();
 }
 extern "C" __global__ void __launch_bounds__(SILU_TABLE_THREADS, 1) nvfp4_pack_swiglu_table(const PackParams p) {
