@@ -34,12 +34,18 @@
 // (h3_row_norm_stats / _amax) or two (the residual kernels) hold a row, each lane four or two of torch's logical
 // threads (row_norm_body and residual_norm_body say which), so the partial sums and the tree replay torch's exactly.
 //
-// Thread mapping of the pack. One warp packs one row at a time. The padded scale matrix has
+// Thread mapping of the pack. A warp packs one row (the SwiGLU sources) or two rows, half a warp each (the others:
+// kPairedRows), at a time. The padded scale matrix has
 // U = roundup(K/16, 4)/4 column groups per row; a group covers 64 input columns and owns 4 contiguous scale bytes
 // of the swizzled layout. Each lane packs one 16-block (two 16-byte loads, one block scale, 8 bytes of codes) and
 // stores its scale byte: the 4 lanes of a group write their word in one instruction (measured on the H200 against
 // gathering the word with two shuffles for one lane to store: the same DRAM bytes, 3% fewer instructions,
-// norm-modulate 0.181 -> 0.177 ms). Items blocks per lane are in flight to cover DRAM latency. Rows cover
+// norm-modulate 0.181 -> 0.177 ms). Items blocks per lane are in flight to cover DRAM latency. Half a warp per row
+// leaves no idle half warp at the end of a row of 336 blocks (K = 5376, qkv_proj and fc1: 5% fewer instructions,
+// norm-modulate 0.176 -> 0.170 ms in ncu; the plain pack of out_proj, 4 blocks a lane, 0.174 -> 0.171), and the
+// paired units run from the last rows back, which the kernel before (the global-scale pass, the residual) touched
+// last: the pairs of kernels gain 3-4 us on the H200. The SwiGLU table pack is slower with half warps (0.593 ->
+// 0.633 ms) and keeps whole rows in order (benchmarks/README.md, tuning log). Rows cover
 // [0, roundup(roundup(M,16),128)): rows in [M, roundup(M,16)) are packed from zeros (as comfy-kitchen pads them),
 // rows beyond only get zero scales. Measured slower on the H200 (benchmarks/README.md): splitting a block over two
 // lanes for 512-byte coalesced loads (+17% at K=5376), and persistent warps walking the flat block list across row
@@ -147,6 +153,7 @@ struct ModBoundsParams {
 // the row's index, rstd and table pointers to be re-read from memory for every block) and per-column loads.
 struct PlainSource {
     static constexpr bool kScaleEvictLast = false;  // see store_scale_byte
+    static constexpr bool kPairedRows = true;       // see pack_body
     struct Row { const u16* x; };
     static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return Row{p.x + r * p.x_row_stride}; }
     // Through L1: each lane reads 32 contiguous bytes in two 16-byte loads, and the second load of each sector
@@ -167,6 +174,7 @@ NVFP4_DEVICE u32 modulate_x2(u32 x, u32 scale, u32 shift) {
 // nvfp4_common.cuh), two values per instruction.
 struct ModulateSource {
     static constexpr bool kScaleEvictLast = false;
+    static constexpr bool kPairedRows = true;
     struct Row { const u16* x; const u16* scale; const u16* shift; };
     static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) {
         const i64 m = p.mod_index[r];
@@ -193,6 +201,7 @@ NVFP4_DEVICE u32 rms_norm_x2(u32 x, u32 w, float rstd) {
 // rms_norm output, element for element), then ModulateSource's three roundings.
 struct NormModulateSource {
     static constexpr bool kScaleEvictLast = false;
+    static constexpr bool kPairedRows = true;
     struct Row { ModulateSource::Row mod; float rstd; };
     static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return Row{ModulateSource::row(p, r), p.rstd[r]}; }
     static __device__ __forceinline__ void load(const SourceParams& p, const Row& row, i64 col, u32 w[4]) {
@@ -230,6 +239,7 @@ struct SiluLookedUp {
 // nothing from it and keep the streaming loads.
 struct SwigluRows {
     static constexpr bool kScaleEvictLast = SWIGLU_SCALE_EVICT_LAST;
+    static constexpr bool kPairedRows = false;
     using Row = PlainSource::Row;
     static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return PlainSource::row(p, r); }
 };
@@ -422,12 +432,20 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
     const u32 scale_groups = (u32)p.groups;
     const float g = p.global_scale[0], rcp_g = rcp_approx_ftz(g);
     const u32 lane = threadIdx.x & 31;
+    // A warp's unit of work: one row (32 lanes), or two rows of 16 lanes each for the sources with kPairedRows.
+    // Paired units are taken from the end of the tensor, where the kernel before left data in L2.
+    constexpr u32 RowLanes = Source::kPairedRows ? 16 : 32, RowsPerWarp = Source::kPairedRows ? 2 : 1;
+    const u32 sublane = lane % RowLanes;
+    const u32 units = rows128 / RowsPerWarp;  // rows128 is a multiple of 128
     const u32 warps_total = gridDim.x * (blockDim.x >> 5);
     if (p.alpha_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) p.alpha_out[0] = __fmul_rn(g, p.weight_scale_2[0]);
 
-    u32 row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    for (; row < rows128; row += warps_total) {
-        if (Source::kScaleEvictLast && row >= warps_total) release_scale_lines(p.scales, row - warps_total, scale_groups, lane);
+    u32 i = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+#define PACK_UNIT(i) (Source::kPairedRows ? units - 1 - (i) : (i))
+    for (; i < units; i += warps_total) {
+        if (Source::kScaleEvictLast && i >= warps_total)
+            release_scale_lines(p.scales, PACK_UNIT(i - warps_total) * RowsPerWarp, scale_groups, lane);
+        const u32 row = PACK_UNIT(i) * RowsPerWarp + lane / RowLanes;
         const bool data_row = row < rows;
         const bool packed_row = row < rows16;
         u8* qrow = p.qdata + (u64)row * (cols / 2);
@@ -437,25 +455,25 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
         asm("mov.b64 %0, %0;" : "+l"(srow));
         typename Source::Row src_row;  // pad rows have no index, rstd or input row: never read
         if (data_row) src_row = Source::row(s, (i64)row);
-        for (u32 c0 = 0; c0 < lanes_per_row; c0 += 32 * Items) {
+        for (u32 c0 = 0; c0 < lanes_per_row; c0 += RowLanes * Items) {
             u32 w[Items][8];
 #pragma unroll
-            for (int i = 0; i < Items; ++i) {
-                const u32 col = (c0 + 32 * i + lane) * 16;
+            for (int it = 0; it < Items; ++it) {
+                const u32 col = (c0 + RowLanes * it + sublane) * 16;
                 if (data_row) {  // a lane past the row end loads the row's last block: its results are not stored
-                    load_block16<Source>(s, src_row, (i64)min(col, cols - 16), w[i]);
+                    load_block16<Source>(s, src_row, (i64)min(col, cols - 16), w[it]);
                 } else {
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) w[i][j] = 0;
+                    for (int j = 0; j < 8; ++j) w[it][j] = 0;
                 }
             }
 #pragma unroll
-            for (int i = 0; i < Items; ++i) {
-                if (c0 + 32 * i >= lanes_per_row) break;  // warp-uniform: no block of this row left (row tail)
-                const u32 c = c0 + 32 * i + lane;
+            for (int it = 0; it < Items; ++it) {
+                if (c0 + RowLanes * it >= lanes_per_row) break;  // warp-uniform: no block of this row left (row tail)
+                const u32 c = c0 + RowLanes * it + sublane;
                 const u32 col = c * 16;
                 u32 block_scale, lo, hi;
-                quantize_block16(w[i], g, rcp_g, block_scale, lo, hi);
+                quantize_block16(w[it], g, rcp_g, block_scale, lo, hi);
                 const bool in_cols = col < cols;
                 if (c >= lanes_per_row) continue;
                 if (packed_row && in_cols) {
@@ -468,7 +486,9 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
             }
         }
     }
-    if (Source::kScaleEvictLast && row >= warps_total) release_scale_lines(p.scales, row - warps_total, scale_groups, lane);
+    if (Source::kScaleEvictLast && i >= warps_total)
+        release_scale_lines(p.scales, PACK_UNIT(i - warps_total) * RowsPerWarp, scale_groups, lane);
+#undef PACK_UNIT
 }
 
 // ---- gated residual --------------------------------------------------------------------------------------

@@ -389,7 +389,8 @@ def pack_nvfp4(
         global_scale = scalars[0:1]
     want_alpha = weight_scale_2 is not None and static_scale is None
     kernel, threads, shared = f"nvfp4_pack_{variant}", LAUNCH["PACK_THREADS"], 0
-    grid = max(1, min(-(-rows128 // (threads // 32)), mod.sm_count * 64))  # one warp per row
+    units = rows128 if variant == "swiglu" else rows128 // 2  # a warp packs one row, or two (nvfp4_pack.cu kPairedRows)
+    grid = max(1, min(-(-units // (threads // 32)), mod.sm_count * 64))  # a warp per unit
     silu = _swiglu_silu(mod) if variant == "swiglu" else None
     if silu == "window":  # persistent: each CTA copies the window once
         src.silu_table = silu_window_table(x.device).data_ptr()
@@ -398,7 +399,7 @@ def pack_nvfp4(
     elif silu == "table":
         src.silu_table = silu_table(x.device).data_ptr()
         kernel, threads, shared = "nvfp4_pack_swiglu_table", LAUNCH["SILU_TABLE_THREADS"], SILU_TABLE_SHARED_BYTES
-        grid = max(1, min(-(-rows128 // (threads // 32)), mod.sm_count))  # one CTA per SM, persistent
+        grid = max(1, min(-(-units // (threads // 32)), mod.sm_count))  # one CTA per SM, persistent
     params = _PackParams(src, global_scale.data_ptr(), qdata.data_ptr(), scales.view(torch.uint8).data_ptr(),
                          rows16, rows128, groups, scalars[1:2].data_ptr() if want_alpha else None,
                          weight_scale_2.data_ptr() if want_alpha else None)
