@@ -32,8 +32,8 @@ from h3_fused_nvfp4.layout import Modulation, RmsNorm  # noqa: E402
 
 M, D, F, INNER = 37810, 5376, 14336, 7168
 DEV = torch.device("cuda", 0)
-NCU_ARMS = ("rope/heads_one_by_one,rope/paired,rope/paired_6ctas,rope/paired_7ctas,rope/paired_6ctas_4stages,"
-            "pack_norm_modulate/pairs_last_first,pack_norm_modulate/rows_first_first")
+NCU_ARMS = ("absmax_pack_swiglu/absmax_items_1,absmax_pack_swiglu/absmax_items_2,absmax_pack_swiglu/absmax_items_3,"
+            "absmax_pack_swiglu/absmax_items_4,pack_swiglu_table/items_1,pack_swiglu_table/items_2")
 SECTIONS = ["SpeedOfLight", "Occupancy", "WarpStateStats"]
 
 
@@ -130,15 +130,12 @@ def families(t):
     arms4 = {"pairs_last_first": order(1, 1), "rows_first_first": order(0, 0), "pairs_first_first": order(1, 0),
              "rows_last_first": order(0, 1)}
     arms2 = {"pairs_last_first": order(1, 1), "rows_first_first": order(0, 0)}
-    def rope_arm(paired, min_ctas, stages=3):
-        return {"rope": {"ROPE_PAIRED_HEADS": paired, "ROPE_MIN_CTAS": min_ctas, "ROPE_STAGES": stages}}
+    def items(absmax_items, pack_items=1):
+        return {"launch": {"SWIGLU_ABSMAX_ITEMS": absmax_items, "SWIGLU_ITEMS": pack_items}}
 
     return {
-        "pack_norm_modulate": (pack_nm, 2 * M * D + buf_nm.numel(), arms2),
-        "rope": (rope, 2 * 2 * 2 * M * INNER, {"heads_one_by_one": rope_arm(0, 0), "paired": rope_arm(1, 0),
-                                               "paired_6ctas": rope_arm(1, 6), "paired_7ctas": rope_arm(1, 7),
-                                               "paired_6ctas_4stages": rope_arm(1, 6, 4),
-                                               "paired_2stages": rope_arm(1, 0, 2)}),
+        "absmax_pack_swiglu": (absmax_pack_swiglu, 0, {f"absmax_items_{n}": items(n) for n in (1, 2, 3, 4)}),
+        "pack_swiglu_table": (pack_swiglu, sw_in + buf_sw.numel(), {"items_1": items(1, 1), "items_2": items(1, 2)}),
     }
 
 

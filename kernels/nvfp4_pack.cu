@@ -60,7 +60,7 @@
     !defined(ROW_NORM_MAX_STEPS) || !defined(ROW_NORM_BATCH) || !defined(RESIDUAL_NORM_THREADS) ||   \
     !defined(RESIDUAL_NORM_BATCH) || !defined(RESIDUAL_AMAX_BATCH) || !defined(RESIDUAL_NORM_MIN_CTAS) ||           \
     !defined(PACK_MIN_CTAS) || !defined(PLAIN_MIN_CTAS) || !defined(SILU_WINDOW_MIN_CTAS) ||           \
-    !defined(SWIGLU_SCALE_EVICT_LAST)
+    !defined(SWIGLU_SCALE_EVICT_LAST) || !defined(SWIGLU_ABSMAX_ITEMS)
 #error "kernels/ops.py passes the launch constants (ITEMS, PLAIN_ITEMS, PACK_THREADS, ...) as -D options"
 #endif
 
@@ -354,17 +354,18 @@ __device__ __forceinline__ void absmax_body(const AbsmaxParams& p) {
 // elements whose bf16x2 product magnitudes (one fma.rn.bf16x2; |.| patterns order NaN above inf) are both <= the
 // thread's running max cannot change it; only the others (every NaN or inf among them) are evaluated exactly. The
 // result is the exact amax, at the cost of reading the input (H200, fc1's output: 2.40e8 instructions, 0.503 ms, where
-// an fp32 bound with a 2^-6 margin took 3.06e8 and 0.512 ms).
+// an fp32 bound with a 2^-6 margin took 3.06e8 and 0.512 ms). SWIGLU_ABSMAX_ITEMS chunks of gate and up per thread
+// are in flight (3: 40 registers, 3 CTAs of 512 per SM; ncu 0.505 -> 0.499 ms against 1, 2 and 4 within 1%).
 __device__ __forceinline__ void absmax_swiglu_body(const AbsmaxParams& p) {
     const SourceParams& s = p.src;
     const u32 chunks_per_row = (u32)(s.cols / 8);
     const u32 total = (u32)s.rows * chunks_per_row;
     const u32 stride = gridDim.x * blockDim.x;
     u32 acc = 0;
-    for (u32 base = blockIdx.x * blockDim.x * ITEMS + threadIdx.x; base < total; base += stride * ITEMS) {
-        u32 gw[ITEMS][4], uw[ITEMS][4];
+    for (u32 base = blockIdx.x * blockDim.x * SWIGLU_ABSMAX_ITEMS + threadIdx.x; base < total; base += stride * SWIGLU_ABSMAX_ITEMS) {
+        u32 gw[SWIGLU_ABSMAX_ITEMS][4], uw[SWIGLU_ABSMAX_ITEMS][4];
 #pragma unroll
-        for (int i = 0; i < ITEMS; ++i) {
+        for (int i = 0; i < SWIGLU_ABSMAX_ITEMS; ++i) {
             u32 c = base + (u32)i * blockDim.x;
             if (c < total) {
                 u32 row = c / chunks_per_row;
@@ -378,7 +379,7 @@ __device__ __forceinline__ void absmax_swiglu_body(const AbsmaxParams& p) {
             }
         }
 #pragma unroll
-        for (int i = 0; i < ITEMS; ++i) {
+        for (int i = 0; i < SWIGLU_ABSMAX_ITEMS; ++i) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 // |h| <= bf16(|g u|) (see above), one bf16x2 product for both elements; their |.| patterns (NaN

@@ -35,6 +35,7 @@ LAUNCH = {
     "PACK_MIN_CTAS": 5, "PLAIN_MIN_CTAS": 4,  # resident CTAs of 256 threads the packs' register budget keeps on sm_90
     "SILU_WINDOW_MIN_CTAS": 5,  # the windowed-silu SwiGLU pack (kernels/ops.py silu_window_table)
     "SWIGLU_SCALE_EVICT_LAST": 1,  # the SwiGLU packs store block scales with L2 evict_last (nvfp4_pack.cu store_scale_byte)
+    "SWIGLU_ABSMAX_ITEMS": 3,  # fc1-output chunks in flight per thread of the SwiGLU global scale (3 CTAs of 512 per SM)
 }
 ABSMAX_CTAS_PER_SM = 4
 # The RMSNorm + RoPE kernel handles H3's heads only: 128 dims, rotation over the first 96 (48 pairs).
@@ -383,8 +384,9 @@ def pack_nvfp4(
         params = _AbsmaxParams(src, _global_scale_out(x.device, stream, scalars[0:1]))
         chunks = rows * (k // 8)
         threads = LAUNCH["ABSMAX_THREADS"]
-        items = LAUNCH["PLAIN_ITEMS"] if variant == "plain" else LAUNCH["ITEMS"]
-        grid = max(1, min(-(-chunks // (threads * items)), mod.sm_count * ABSMAX_CTAS_PER_SM))
+        items = {"plain": LAUNCH["PLAIN_ITEMS"], "swiglu": LAUNCH["SWIGLU_ABSMAX_ITEMS"]}.get(variant, LAUNCH["ITEMS"])
+        per_sm = min(ABSMAX_CTAS_PER_SM, mod.resident_ctas(f"nvfp4_absmax_{variant}", threads, 0))
+        grid = max(1, min(-(-chunks // (threads * items)), mod.sm_count * per_sm))
         mod.launch(f"nvfp4_absmax_{variant}", grid, threads, params, stream)
         global_scale = scalars[0:1]
     want_alpha = weight_scale_2 is not None and static_scale is None
