@@ -374,7 +374,16 @@ def main():
     parser.add_argument("--chain", action="store_true")
     parser.add_argument("--chain-packs", action="store_true")
     parser.add_argument("--chain-out", action="store_true")
+    parser.add_argument("--qkv-probe", action="store_true")
+    parser.add_argument("--qkv-probe-child", action="store_true")
     args = parser.parse_args()
+    if args.qkv_probe_child:
+        qkv_probe_child()
+        return
+    if args.qkv_probe:
+        warm_up_gpu()
+        pathlib.Path(args.out).with_name("qkv-probe.json").write_text(json.dumps(qkv_probe(pathlib.Path(args.out).parent), indent=1))
+        return
     if args.chain:
         warm_up_gpu()
         pathlib.Path(args.out).with_name("chain.json").write_text(json.dumps(chain_profile(), indent=1))
@@ -403,6 +412,57 @@ def main():
         os.environ["H3_FUSED_NVFP4_SELFCHECK"] = "skip"
         result["ncu"] = ncu_table(out_path.parent)
         out_path.write_text(json.dumps(result, indent=1))
+
+
+
+def qkv_probe_child():
+    """Under ncu: the fused arm's three blocks in one window (spin marker first)."""
+    from h3_fused_nvfp4.integration import comfy_env, report as rep, synthetic as syn
+
+    comfy_env.import_comfyui()
+    chain = rep.BlockChain(syn.H3_FULL, syn.FULL_TOKENS, DEV)
+    chain.arm("fused")
+    for _ in range(2):
+        chain.run()
+    torch.cuda.synchronize()
+    chain.work.copy_(chain.inputs[0])
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    torch.cuda._sleep(1000)
+    for i in range(3):
+        chain.call(i)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def qkv_probe(out_dir):
+    """Each norm-modulate pack of three consecutive fused blocks (qkv_proj, fc1 of each), in ncu and in the
+    profiler: is the qkv_proj pack slower only where it opens the measured window?"""
+    from h3_fused_nvfp4.integration import comfy_env, report as rep, synthetic as syn
+
+    cmd = ["ncu", "--csv", "--clock-control", "none", "--profile-from-start", "off",
+           "--metrics", "gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,dram__bytes_read.sum",
+           "--kernel-name", "regex:nvfp4_pack|spin", sys.executable, __file__, "--qkv-probe-child"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
+                          env=dict(os.environ, H3_FUSED_NVFP4_SELFCHECK="skip"))
+    rows = list(csv.DictReader(io.StringIO(proc.stdout[proc.stdout.index('"ID"'):]))) if '"ID"' in proc.stdout else []
+    ncu = {}
+    for r in rows:
+        ncu.setdefault(r["ID"], {"kernel": r["Kernel Name"][:40]})[r["Metric Name"]] = r["Metric Value"]
+    comfy_env.import_comfyui()
+    chain = rep.BlockChain(syn.H3_FULL, syn.FULL_TOKENS, DEV)
+    chain.arm("fused")
+    for _ in range(2):
+        chain.run()
+    prof = []
+    for _ in range(3):
+        chain.work.copy_(chain.inputs[0])
+        kernels = rep.kernel_profile(lambda: [chain.call(i) for i in range(3)])
+        prof.append([round(k["ms"], 4) for k in kernels if k["kernel"].startswith("nvfp4_pack_norm_modulate")])
+    out = {"ncu": list(ncu.values()), "ncu_error": None if rows else proc.stderr[-2000:] + proc.stdout[-2000:],
+           "profiler_norm_modulate_packs_ms": prof}
+    print(json.dumps(out, indent=1), flush=True)
+    return out
 
 
 if __name__ == "__main__":
