@@ -772,16 +772,20 @@ __device__ __forceinline__ void residual_norm_body(const RowNormParams& p) {
     __shared__ float warp_sums[2][2][2];  // [row parity][half][torch warp 2 half + (0, 1)]
     __shared__ u32 warp_amax[2][2];       // [row parity][half]
 
+    // The CTAs walk the rows from the last one back (row rows - 1 - r for r = CTA + k * grid): the GEMM before wrote
+    // `other`'s last rows last, and part of them is still in L2 (H200, right after a bf16 GEMM of the out_proj shape:
+    // 0.356-0.360 -> 0.350-0.351 ms; benchmarks/README.md).
+#define ROW_AT(r) (rows - 1 - (r))
     u32 row = blockIdx.x, parity = 0;
     if (row < rows) {
-        copy_half_row_async(x_shared, p.x + (i64)row * p.x_row_stride, half, lane, cols);
-        copy_half_row_async(other_shared, p.other + (i64)row * p.other_row_stride, half, lane, cols);
+        copy_half_row_async(x_shared, p.x + (i64)ROW_AT(row) * p.x_row_stride, half, lane, cols);
+        copy_half_row_async(other_shared, p.other + (i64)ROW_AT(row) * p.other_row_stride, half, lane, cols);
     }
     commit_copies();
     for (; row < rows; row += gridDim.x, parity ^= 1) {
         const u32 next = row + gridDim.x;
-        u16* xrow = p.x + (i64)row * p.x_row_stride;
-        const i64 m = (i64)p.mod_index[row];
+        u16* xrow = p.x + (i64)ROW_AT(row) * p.x_row_stride;
+        const i64 m = (i64)p.mod_index[ROW_AT(row)];
         const u16* grow = p.gate + m * p.gate_row_stride;
         float part[2] = {0.0f, 0.0f};  // torch's logical threads 64 half + 2 lane + j
         wait_copies();  // this row's x and other (the lane's own chunks)
@@ -813,8 +817,8 @@ __device__ __forceinline__ void residual_norm_body(const RowNormParams& p) {
                 if (Amax) *reinterpret_cast<u32x4*>(staged + slot) = r;
             }
         }
-        if (next < rows) copy_half_row_async(other_shared, p.other + (i64)next * p.other_row_stride, half, lane, cols);
-        if (!Amax && next < rows) copy_half_row_async(x_shared, p.x + (i64)next * p.x_row_stride, half, lane, cols);
+        if (next < rows) copy_half_row_async(other_shared, p.other + (i64)ROW_AT(next) * p.other_row_stride, half, lane, cols);
+        if (!Amax && next < rows) copy_half_row_async(x_shared, p.x + (i64)ROW_AT(next) * p.x_row_stride, half, lane, cols);
         commit_copies();
         // lane 0 ends with torch's warp 2 half, lane 16 with warp 2 half + 1
         half_warp_tree<2>(part);
@@ -829,13 +833,14 @@ __device__ __forceinline__ void residual_norm_body(const RowNormParams& p) {
         const float total = __fadd_rn(__fadd_rn(warp_sums[parity][0][0], warp_sums[parity][1][0]),
                                       __fadd_rn(warp_sums[parity][0][1], warp_sums[parity][1][1]));
         const float rstd = torch_rstd_of(total, (float)cols, p.eps);
-        if (threadIdx.x == 0) p.rstd[row] = rstd;
+        if (threadIdx.x == 0) p.rstd[ROW_AT(row)] = rstd;
         if (Amax) acc = bounded_amax<RESIDUAL_AMAX_BATCH, 2>(acc, staged, p, m, rstd, half, lane);
-        if (Amax && next < rows) copy_half_row_async(x_shared, p.x + (i64)next * p.x_row_stride, half, lane, cols);
+        if (Amax && next < rows) copy_half_row_async(x_shared, p.x + (i64)ROW_AT(next) * p.x_row_stride, half, lane, cols);
         commit_copies();
     }
     wait_copies();
     if (Amax) absmax_finish<RESIDUAL_NORM_THREADS>(p.out, acc);
+#undef ROW_AT
 }
 
 // ---- entry points (one name per variant; kernels/runtime.py looks them up by name) -------------------------
