@@ -52,8 +52,6 @@ for step in ${STEPS:-tests report}; do
              rc=$?; tail -3 "$OUT/rope.log" ;;
     trade) timeout "$STEP_TIMEOUT" python3 benchmarks/calibration_trade.py --out "$OUT/calibration-trade.json" \
              > "$OUT/trade.log" 2>&1; rc=$?; tail -12 "$OUT/trade.log" ;;
-    sweep) timeout "$STEP_TIMEOUT" python3 benchmarks/kernel_sweep.py ${SWEEP_ARGS:-} --out "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1
-             rc=$?; tail -40 "$OUT/sweep.log" ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
   summary+=("$step: exit $rc, $((SECONDS - start)) s")

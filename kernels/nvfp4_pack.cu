@@ -774,7 +774,7 @@ __device__ __forceinline__ void residual_norm_body(const RowNormParams& p) {
 
     // The CTAs walk the rows from the last one back (row rows - 1 - r for r = CTA + k * grid): the GEMM before wrote
     // `other`'s last rows last, and part of them is still in L2 (H200, right after a bf16 GEMM of the out_proj shape:
-    // 0.356-0.360 -> 0.350-0.351 ms; benchmarks/README.md).
+    // 0.356-0.360 -> 0.350-0.351 ms; in the whole block within run-to-run noise; benchmarks/README.md).
 #define ROW_AT(r) (rows - 1 - (r))
     u32 row = blockIdx.x, parity = 0;
     if (row < rows) {
