@@ -28,8 +28,10 @@ from h3_fused_nvfp4.layout import Modulation, RmsNorm  # noqa: E402
 
 M, D, F, INNER = 37810, 5376, 14336, 7168
 DEV = torch.device("cuda", 0)
-# build switches of the arms (EXTRA_DEFINES of kernels/ops.py)
-ARMS = {"previous_quantizer": (("NVFP4_QUANT_PREVIOUS", 1),), "current_quantizer": ()}
+# build switches of the arms (EXTRA_DEFINES of kernels/ops.py), per family
+QUANTIZER_ARMS = {"previous_quantizer": (("NVFP4_QUANT_PREVIOUS", 1),), "current_quantizer": ()}
+PREFETCH_ARMS = {f"prefetch_{d}": ((("PACK_PREFETCH_AHEAD", d),) if d else ()) for d in (0, 1, 2, 4)}
+FAMILY_ARMS = {"pack_norm_modulate": PREFETCH_ARMS, "pack_plain": PREFETCH_ARMS}
 
 
 @contextlib.contextmanager
@@ -73,8 +75,11 @@ def run(ncu_child: bool) -> dict:
     fams = families()
     result = {}
     for fam, (fn, out, moved) in fams.items():
+        if fam not in FAMILY_ARMS:
+            continue
+        arms = FAMILY_ARMS[fam]
         reference = None
-        for label, defines in ARMS.items():
+        for label, defines in arms.items():
             with variant(defines):
                 out.fill_(0xA5)  # poison: every byte must be rewritten
                 fn()
@@ -92,12 +97,12 @@ def run(ncu_child: bool) -> dict:
                     print(f"ARM {fam}/{label}", flush=True)
         if ncu_child:
             continue
-        samples = {label: [] for label in ARMS}
+        samples = {label: [] for label in arms}
         for _ in range(5):  # arms interleaved
-            for label, defines in ARMS.items():
+            for label, defines in arms.items():
                 with variant(defines):
                     samples[label] += time_ms(fn, reps=20)
-        for label in ARMS:
+        for label in arms:
             ms = statistics.median(samples[label])
             result[fam][label].update(median_ms=round(ms, 4), gbs=round(moved / ms / 1e6, 1))
             print(f"{fam:20s} {label:20s} same={result[fam][label]['identical_to_first_arm']} {ms:.4f} ms", flush=True)
@@ -147,8 +152,11 @@ def main():
     if args.ncu:
         result["ncu"] = ncu_table()
         out_path.write_text(json.dumps(result, indent=1))
-    for fam in ("pack_norm_modulate", "pack_plain", "pack_swiglu_table"):
+    for fam in FAMILY_ARMS:
         print(fam, {k: v.get("median_ms") for k, v in result[fam].items()})
+    for arm, kernels in (result.get("ncu") or {}).items():
+        if isinstance(kernels, list):
+            print("ncu", arm, [(k["gpu__time_duration.sum [ns]"], k["smsp__inst_executed.sum [inst]"]) for k in kernels])
 
 
 if __name__ == "__main__":
