@@ -322,15 +322,9 @@ NVFP4_DEVICE u32 e2m1_magnitude_codes_x2(float v0, float v1) {
     const u32 truncated = __byte_perm(b0, b1, 0x7632), dropped = __byte_perm(b0, b1, 0x5410);
     u32 y = truncated | __vminu2(dropped, 0x00010001u);              // round to odd: last bit |= any dropped bit
     y = bf16x2_min(y, 0x40C040C0u);                                  // min(., 6)
-#if defined(NVFP4_QUANT_PREVIOUS) && NVFP4_QUANT_PREVIOUS
-    const u32 fine = bf16x2_fma(y, 0x40004000u, 0x43004300u);        // 2y    + 128
-    const u32 mid = bf16x2_fma(y, BF16X2_ONE, 0x43024302u);          // y     + 130
-    const u32 coarse = bf16x2_fma(y, 0x3F003F00u, 0x43044304u);      // y / 2 + 132
-#else
     const u32 fine = bf16x2_fma(y, e2m1_grid_steps[0], 0x43004300u);   // 2y    + 128
     const u32 mid = bf16x2_fma(y, e2m1_grid_steps[1], 0x43024302u);    // y     + 130
     const u32 coarse = bf16x2_fma(y, e2m1_grid_steps[2], 0x43044304u); // y / 2 + 132
-#endif
     return bf16x2_min(bf16x2_min(fine, mid), coarse);
 }
 
@@ -361,37 +355,9 @@ NVFP4_DEVICE u32 encode8_no_nan(const u32 w[4], float e) {
     return prmt(p01, p23, 0x5410u) * 16u + prmt(p01, p23, 0x7632u);  // disjoint nibbles: * 16 + is << 4 |
 }
 
-#if defined(NVFP4_QUANT_PREVIOUS) && NVFP4_QUANT_PREVIOUS
-NVFP4_DEVICE u32 encode8_no_nan_previous(const u32 w[4], const u32 a[4], float e) {
-    u32 pair[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) pair[i] = e2m1_magnitude_codes_x2(mul_ftz(e, bf16_lo(a[i])), mul_ftz(e, bf16_hi(a[i])));
-    const u32 s01 = __byte_perm(w[0], w[1], 0x7351), s23 = __byte_perm(w[2], w[3], 0x7351);
-    const u32 p01 = __byte_perm(pair[0], pair[1], 0x6240) | ((s01 >> 4) & 0x08080808u);
-    const u32 p23 = __byte_perm(pair[2], pair[3], 0x6240) | ((s23 >> 4) & 0x08080808u);
-    return (__byte_perm(p01, p23, 0x5410) << 4) | __byte_perm(p01, p23, 0x7632);
-}
-#endif
-
 // One 16-value block (8 words): block scale byte and 16 codes (lo: values 0-7, hi: values 8-15).
 NVFP4_DEVICE void quantize_block16(const u32 w[8], float g, float rcp_g, u32& scale_byte, u32& lo, u32& hi) {
-#if !defined(NVFP4_HW_E2M1) && defined(NVFP4_QUANT_PREVIOUS) && NVFP4_QUANT_PREVIOUS
-    u32 a[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) asm("abs.bf16x2 %0, %1;" : "=r"(a[j]) : "r"(w[j]));
-    const u32 mp = __vmaxu2(__vmaxu2(__vmaxu2(a[0], a[1]), __vmaxu2(a[2], a[3])),
-                            __vmaxu2(__vmaxu2(a[4], a[5]), __vmaxu2(a[6], a[7])));
-    const u32 amax_p = max(mp & 0xFFFFu, mp >> 16);
-    if (amax_p <= 0x7F80u) {
-        const BlockScale bs = block_scale_from_absmax((u16)amax_p, g, rcp_g);
-        if (bs.encode > 0.0f) {
-            scale_byte = bs.byte;
-            lo = encode8_no_nan_previous(w, a, bs.encode);
-            hi = encode8_no_nan_previous(w + 4, a + 4, bs.encode);
-            return;
-        }
-    }
-#elif !defined(NVFP4_HW_E2M1)
+#if !defined(NVFP4_HW_E2M1)
     // The block absmax as max(max x, -min x) in bf16 max.NaN / min.NaN: without a NaN it is the NaN-skipping bf16
     // max of |x| of the reference, bit for bit once the sign of a zero is cleared; with one it is a NaN (pattern
     // above 0x7F80 after the sign is cleared), which takes the path below.

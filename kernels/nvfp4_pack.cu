@@ -147,10 +147,6 @@ struct ModBoundsParams {
     u16* bound_shift;        // out: bf16 [R, K / 8], max |shift| of each 8 columns
 };
 
-#ifndef PACK_PREFETCH_AHEAD
-#define PACK_PREFETCH_AHEAD 0
-#endif
-
 // ---- sources ---------------------------------------------------------------------------------------------
 
 // Each source splits its addressing into a per-row part (Row, formed once per row: the loop's stores would force
@@ -458,9 +454,6 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
         // opaque copies: kept in registers instead of being re-derived from the parameters at every store
         asm("mov.b64 %0, %0;" : "+l"(qrow));
         asm("mov.b64 %0, %0;" : "+l"(srow));
-#if PACK_PREFETCH_AHEAD > 0
-        const u32 next_row = i + warps_total < units ? PACK_UNIT(i + warps_total) * RowsPerWarp + lane / RowLanes : rows;
-#endif
         typename Source::Row src_row;  // pad rows have no index, rstd or input row: never read
         if (data_row) src_row = Source::row(s, (i64)row);
         for (u32 c0 = 0; c0 < lanes_per_row; c0 += RowLanes * Items) {
@@ -469,15 +462,6 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
             for (int it = 0; it < Items; ++it) {
                 const u32 col = (c0 + RowLanes * it + sublane) * 16;
                 if (data_row) {  // a lane past the row end loads the row's last block: its results are not stored
-#if PACK_PREFETCH_AHEAD > 0
-                    if (Source::kPairedRows) {  // x of the block PACK_PREFETCH_AHEAD steps ahead into L2 (next unit's row past the end)
-                        const u32 ahead = col + PACK_PREFETCH_AHEAD * RowLanes * Items * 16;
-                        const u16* px = ahead < cols ? s.x + (i64)row * s.x_row_stride + ahead
-                                                     : s.x + (i64)next_row * s.x_row_stride + (ahead - cols);
-                        if (ahead < cols || (next_row < rows && ahead - cols < cols))
-                            asm volatile("prefetch.global.L2 [%0];" :: "l"(px));
-                    }
-#endif
                     load_block16<Source>(s, src_row, (i64)min(col, cols - 16), w[it]);
                 } else {
 #pragma unroll
