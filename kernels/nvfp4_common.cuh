@@ -95,6 +95,12 @@ NVFP4_DEVICE u32 bf16x2_absmax(u32 a, u32 b) {
         "  max.bf16x2 %0, ta, tb; }" : "=r"(r) : "r"(a), "r"(b));
     return r;
 }
+// |x| per half on the FMA pipe (the packs are bound by the integer ALU pipe on sm_90): exact, NaN stays NaN.
+NVFP4_DEVICE u32 bf16x2_abs(u32 a) {
+    u32 r;
+    asm("abs.bf16x2 %0, %1;" : "=r"(r) : "r"(a));
+    return r;
+}
 NVFP4_DEVICE u32 bf16x2_max(u32 a, u32 b) {
     u32 r;
     asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
@@ -123,16 +129,6 @@ NVFP4_DEVICE u32 bf16x2_fma(u32 a, u32 b, u32 c) {
 NVFP4_DEVICE u32 bf16x2_min(u32 a, u32 b) {
     u32 r;
     asm("min.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-NVFP4_DEVICE u32 bf16x2_max_nan(u32 a, u32 b) {  // NaN wins
-    u32 r;
-    asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-NVFP4_DEVICE u32 bf16x2_min_nan(u32 a, u32 b) {  // NaN wins
-    u32 r;
-    asm("min.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
     return r;
 }
 #define BF16X2_ONE 0x3F803F80u
@@ -316,65 +312,52 @@ NVFP4_DEVICE u32 encode8(const u32 w[4], float e) {
 //      (step 0.5 below 2, 1 below 4, 2 above) and is the smallest exactly on its own range. Each term is one
 //      fma into [128, 256), where the bf16 step is 1, so the hardware's round-to-nearest-even of the sum is the
 //      rne of the term and ties go to the even code.
-__constant__ u32 e2m1_grid_steps[3] = {0x40004000u, 0x3F803F80u, 0x3F003F00u};  // 2, 1, 0.5 per half
 NVFP4_DEVICE u32 e2m1_magnitude_codes_x2(float v0, float v1) {
     const u32 b0 = __float_as_uint(v0), b1 = __float_as_uint(v1);
     const u32 truncated = __byte_perm(b0, b1, 0x7632), dropped = __byte_perm(b0, b1, 0x5410);
     u32 y = truncated | __vminu2(dropped, 0x00010001u);              // round to odd: last bit |= any dropped bit
     y = bf16x2_min(y, 0x40C040C0u);                                  // min(., 6)
-    const u32 fine = bf16x2_fma(y, e2m1_grid_steps[0], 0x43004300u);   // 2y    + 128
-    const u32 mid = bf16x2_fma(y, e2m1_grid_steps[1], 0x43024302u);    // y     + 130
-    const u32 coarse = bf16x2_fma(y, e2m1_grid_steps[2], 0x43044304u); // y / 2 + 132
+    const u32 fine = bf16x2_fma(y, 0x40004000u, 0x43004300u);        // 2y    + 128
+    const u32 mid = bf16x2_fma(y, BF16X2_ONE, 0x43024302u);          // y     + 130
+    const u32 coarse = bf16x2_fma(y, 0x3F003F00u, 0x43044304u);      // y / 2 + 132
     return bf16x2_min(bf16x2_min(fine, mid), coarse);
 }
 
-// |x| * e for the bf16 in the low / high half of a word (mul.ftz with the abs folded into the multiply's operand).
-NVFP4_DEVICE float abs_mul_ftz_lo(u32 w, float e) { return mul_ftz(e, fabsf(bf16_lo(w))); }
-NVFP4_DEVICE float abs_mul_ftz_hi(u32 w, float e) { return mul_ftz(e, fabsf(bf16_hi(w))); }
-
-// Byte-wise select of PRMT with sign replication: each selector nibble with bit 3 set copies the sign bit of the
-// chosen byte into all 8 bits (PTX prmt, default mode).
-NVFP4_DEVICE u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 r;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-    return r;
-}
-
-// 8 bf16 values (4 words) scaled by e -> 8 codes in 4 bytes, as encode8 for NaN-free input.
+// 8 bf16 values (words w, their magnitudes a) scaled by e -> 8 codes in 4 bytes, as encode8 for NaN-free input.
 // The sign of each code is the sign of x (e > 0, so x * e has the sign of x, zeros included).
-NVFP4_DEVICE u32 encode8_no_nan(const u32 w[4], float e) {
+NVFP4_DEVICE u32 encode8_no_nan(const u32 w[4], const u32 a[4], float e) {
     u32 pair[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) pair[i] = e2m1_magnitude_codes_x2(abs_mul_ftz_lo(w[i], e), abs_mul_ftz_hi(w[i], e));
-    // Gather byte 0 (first value of each pair) and byte 2 (second value): codes of values 0, 2, 1, 3 (4, 6, 5, 7);
-    // the sign of each as 0x00 / 0xFF in the same byte order (prmt replicating the sign of bytes 1 and 3 of w),
-    // merged into bit 3; the first value of each output byte goes to the high nibble.
-    const u32 s01 = prmt(w[0], w[1], 0xFBD9u), s23 = prmt(w[2], w[3], 0xFBD9u);
-    const u32 p01 = prmt(pair[0], pair[1], 0x6240u) | (s01 & 0x08080808u);
-    const u32 p23 = prmt(pair[2], pair[3], 0x6240u) | (s23 & 0x08080808u);
-    return prmt(p01, p23, 0x5410u) * 16u + prmt(p01, p23, 0x7632u);  // disjoint nibbles: * 16 + is << 4 |
+    for (int i = 0; i < 4; ++i) pair[i] = e2m1_magnitude_codes_x2(mul_ftz(e, bf16_lo(a[i])), mul_ftz(e, bf16_hi(a[i])));
+    // Gather byte 0 (first value of each pair) and byte 2 (second value): codes of values 0, 2, 1, 3 (4, 6, 5, 7),
+    // with the sign of each in bit 3 (from the bytes of w that hold the signs, in the same order); the first value
+    // of each output byte goes to the high nibble.
+    const u32 s01 = __byte_perm(w[0], w[1], 0x7351), s23 = __byte_perm(w[2], w[3], 0x7351);
+    const u32 p01 = __byte_perm(pair[0], pair[1], 0x6240) | ((s01 >> 4) & 0x08080808u);
+    const u32 p23 = __byte_perm(pair[2], pair[3], 0x6240) | ((s23 >> 4) & 0x08080808u);
+    return (__byte_perm(p01, p23, 0x5410) << 4) | __byte_perm(p01, p23, 0x7632);
 }
 
 // One 16-value block (8 words): block scale byte and 16 codes (lo: values 0-7, hi: values 8-15).
 NVFP4_DEVICE void quantize_block16(const u32 w[8], float g, float rcp_g, u32& scale_byte, u32& lo, u32& hi) {
 #if !defined(NVFP4_HW_E2M1)
-    // The block absmax as max(max x, -min x) in bf16 max.NaN / min.NaN: without a NaN it is the NaN-skipping bf16
-    // max of |x| of the reference, bit for bit once the sign of a zero is cleared; with one it is a NaN (pattern
-    // above 0x7F80 after the sign is cleared), which takes the path below.
-    const u32 wmax = bf16x2_max_nan(bf16x2_max_nan(bf16x2_max_nan(w[0], w[1]), bf16x2_max_nan(w[2], w[3])),
-                                    bf16x2_max_nan(bf16x2_max_nan(w[4], w[5]), bf16x2_max_nan(w[6], w[7])));
-    const u32 wmin = bf16x2_min_nan(bf16x2_min_nan(bf16x2_min_nan(w[0], w[1]), bf16x2_min_nan(w[2], w[3])),
-                                  bf16x2_min_nan(bf16x2_min_nan(w[4], w[5]), bf16x2_min_nan(w[6], w[7])));
-    const u32 m = bf16x2_max_nan(wmax, wmin ^ 0x80008000u);  // -min: the sign flipped
-    const u32 amax = bf16x2_max_nan(m, m >> 16) & 0x7FFFu;
+    // |x| bit patterns order like magnitudes, with NaN above inf (abs.bf16x2 keeps a NaN a NaN, whatever its sign
+    // bit, so its pattern stays above 0x7F80): an integer max finds the block absmax and tells whether the block
+    // holds a NaN. Without one it equals the NaN-skipping bf16 max of the reference.
+    u32 a[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) a[j] = bf16x2_abs(w[j]);
+    const u32 m = __vmaxu2(__vmaxu2(__vmaxu2(a[0], a[1]), __vmaxu2(a[2], a[3])),
+                           __vmaxu2(__vmaxu2(a[4], a[5]), __vmaxu2(a[6], a[7])));
+    const u32 amax = max(m & 0xFFFFu, m >> 16);
     if (amax <= 0x7F80u) {
         const BlockScale bs = block_scale_from_absmax((u16)amax, g, rcp_g);
         // The pairwise path needs every x * e to be a non-NaN magnitude with the sign of x: e > 0. (e is 0 when
         // g is inf and the block holds an inf: then inf * 0 is NaN, which converts to +6.)
         if (bs.encode > 0.0f) {
             scale_byte = bs.byte;
-            lo = encode8_no_nan(w, bs.encode);
-            hi = encode8_no_nan(w + 4, bs.encode);
+            lo = encode8_no_nan(w, a, bs.encode);
+            hi = encode8_no_nan(w + 4, a + 4, bs.encode);
             return;
         }
     }

@@ -603,6 +603,11 @@ NVFP4_DEVICE u32 load_2B(const u16* p) {
     return v;
 }
 NVFP4_DEVICE float running_max_of(u32 acc) { return bf16_to_f32((u16)max(acc & 0xFFFFu, acc >> 16)); }
+NVFP4_DEVICE u32 bf16x2_max_nan(u32 a, u32 b) {
+    u32 r;
+    asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
 // One bf16 rounding of |x| t per half.
 NVFP4_DEVICE u32 bf16x2_abs_mul(u32 x, u32 t) {
     u32 r;
