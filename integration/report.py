@@ -388,8 +388,8 @@ def profile_blocks(args, device) -> dict:
             chain.run(lambda fn: kernels.extend(kernel_profile(fn, lead_cycles=HOST_LEAD_CYCLES)))
             runs.append(kernels)
         sections[arm] = _sections(median_kernels(runs), statistics.median(samples[arm]), arm)
-        sections[arm]["other_boundaries"]["non_gemm_non_attention_ms_one_call_after_host_sync"] = round(
-            sum(k["ms"] for k in after_sync if k["category"] not in NOT_ELEMENTWISE), 4)
+        sections[arm]["other_boundaries"]["non_gemm_non_attention_ms_one_call_after_host_sync"] = _sections(
+            after_sync, None, arm)["other_boundaries"]["non_gemm_non_attention_ms"]
     chain.arm("comfy")
     for key in ("capture", "component1_residual", "nvfp4", "other_boundaries"):
         result[key] = _both(sections["comfy"], sections["fused"], key)
