@@ -60,7 +60,8 @@
     !defined(ROW_NORM_MAX_STEPS) || !defined(ROW_NORM_BATCH) || !defined(RESIDUAL_NORM_THREADS) ||   \
     !defined(RESIDUAL_NORM_BATCH) || !defined(RESIDUAL_AMAX_BATCH) || !defined(RESIDUAL_NORM_MIN_CTAS) ||           \
     !defined(PACK_MIN_CTAS) || !defined(PLAIN_MIN_CTAS) || !defined(SILU_WINDOW_MIN_CTAS) ||           \
-    !defined(SWIGLU_SCALE_EVICT_LAST) || !defined(SWIGLU_ABSMAX_ITEMS)
+    !defined(SWIGLU_SCALE_EVICT_LAST) || !defined(SWIGLU_ABSMAX_ITEMS) || !defined(PACK_SEGMENT_STEPS) ||       \
+    !defined(PLAIN_SEGMENT_STEPS)
 #error "kernels/ops.py passes the launch constants (ITEMS, PLAIN_ITEMS, PACK_THREADS, ...) as -D options"
 #endif
 
@@ -154,6 +155,7 @@ struct ModBoundsParams {
 struct PlainSource {
     static constexpr bool kScaleEvictLast = false;  // see store_scale_byte
     static constexpr bool kPairedRows = true;       // see pack_body
+    static constexpr u32 kSegmentSteps = PLAIN_SEGMENT_STEPS;  // see pack_body
     struct Row { const u16* x; };
     static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return Row{p.x + r * p.x_row_stride}; }
     // Through L1: each lane reads 32 contiguous bytes in two 16-byte loads, and the second load of each sector
@@ -175,6 +177,7 @@ NVFP4_DEVICE u32 modulate_x2(u32 x, u32 scale, u32 shift) {
 struct ModulateSource {
     static constexpr bool kScaleEvictLast = false;
     static constexpr bool kPairedRows = true;
+    static constexpr u32 kSegmentSteps = PACK_SEGMENT_STEPS;
     struct Row { const u16* x; const u16* scale; const u16* shift; };
     static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) {
         const i64 m = p.mod_index[r];
@@ -202,6 +205,7 @@ NVFP4_DEVICE u32 rms_norm_x2(u32 x, u32 w, float rstd) {
 struct NormModulateSource {
     static constexpr bool kScaleEvictLast = false;
     static constexpr bool kPairedRows = true;
+    static constexpr u32 kSegmentSteps = PACK_SEGMENT_STEPS;
     struct Row { ModulateSource::Row mod; float rstd; };
     static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return Row{ModulateSource::row(p, r), p.rstd[r]}; }
     static __device__ __forceinline__ void load(const SourceParams& p, const Row& row, i64 col, u32 w[4]) {
@@ -240,6 +244,7 @@ struct SiluLookedUp {
 struct SwigluRows {
     static constexpr bool kScaleEvictLast = SWIGLU_SCALE_EVICT_LAST;
     static constexpr bool kPairedRows = false;
+    static constexpr u32 kSegmentSteps = 0;
     using Row = PlainSource::Row;
     static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return PlainSource::row(p, r); }
 };
@@ -433,20 +438,28 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
     const u32 scale_groups = (u32)p.groups;
     const float g = p.global_scale[0], rcp_g = rcp_approx_ftz(g);
     const u32 lane = threadIdx.x & 31;
-    // A warp's unit of work: one row (32 lanes), or two rows of 16 lanes each for the sources with kPairedRows.
-    // Paired units are taken from the end of the tensor, where the kernel before left data in L2.
+    // A warp's unit of work: one row (32 lanes), or two rows of 16 lanes each for the sources with kPairedRows,
+    // whole or in segments of kSegmentSteps steps (0: whole rows). Paired units are taken from the end of the
+    // tensor, where the kernel before left data in L2.
     constexpr u32 RowLanes = Source::kPairedRows ? 16 : 32, RowsPerWarp = Source::kPairedRows ? 2 : 1;
+    constexpr u32 StepLanes = RowLanes * Items;  // blocks of a row per step
     const u32 sublane = lane % RowLanes;
-    const u32 units = rows128 / RowsPerWarp;  // rows128 is a multiple of 128
+    const u32 row_units = rows128 / RowsPerWarp;  // rows128 is a multiple of 128
+    const u32 seg_lanes = Source::kSegmentSteps ? Source::kSegmentSteps * StepLanes : lanes_per_row;
+    const u32 segments = Source::kSegmentSteps ? (lanes_per_row + seg_lanes - 1) / seg_lanes : 1u;
+    const u32 units = row_units * segments;
     const u32 warps_total = gridDim.x * (blockDim.x >> 5);
     if (p.alpha_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) p.alpha_out[0] = __fmul_rn(g, p.weight_scale_2[0]);
 
     u32 i = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-#define PACK_UNIT(i) (Source::kPairedRows ? units - 1 - (i) : (i))
+#define PACK_UNIT(i) (Source::kPairedRows ? row_units - 1 - (i) : (i))
     for (; i < units; i += warps_total) {
         if (Source::kScaleEvictLast && i >= warps_total)
             release_scale_lines(p.scales, PACK_UNIT(i - warps_total) * RowsPerWarp, scale_groups, lane);
-        const u32 row = PACK_UNIT(i) * RowsPerWarp + lane / RowLanes;
+        const u32 row_unit = Source::kSegmentSteps ? i / segments : i;
+        const u32 seg_begin = Source::kSegmentSteps ? (i - row_unit * segments) * seg_lanes : 0u;
+        const u32 seg_end = Source::kSegmentSteps ? min(seg_begin + seg_lanes, lanes_per_row) : lanes_per_row;
+        const u32 row = PACK_UNIT(row_unit) * RowsPerWarp + lane / RowLanes;
         const bool data_row = row < rows;
         const bool packed_row = row < rows16;
         u8* qrow = p.qdata + (u64)row * (cols / 2);
@@ -456,7 +469,7 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
         asm("mov.b64 %0, %0;" : "+l"(srow));
         typename Source::Row src_row;  // pad rows have no index, rstd or input row: never read
         if (data_row) src_row = Source::row(s, (i64)row);
-        for (u32 c0 = 0; c0 < lanes_per_row; c0 += RowLanes * Items) {
+        for (u32 c0 = seg_begin; c0 < seg_end; c0 += StepLanes) {
             u32 w[Items][8];
 #pragma unroll
             for (int it = 0; it < Items; ++it) {
@@ -470,13 +483,13 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
             }
 #pragma unroll
             for (int it = 0; it < Items; ++it) {
-                if (c0 + RowLanes * it >= lanes_per_row) break;  // warp-uniform: no block of this row left (row tail)
+                if (c0 + RowLanes * it >= seg_end) break;  // warp-uniform: no block of this unit left (row tail)
                 const u32 c = c0 + RowLanes * it + sublane;
                 const u32 col = c * 16;
                 u32 block_scale, lo, hi;
                 quantize_block16(w[it], g, rcp_g, block_scale, lo, hi);
                 const bool in_cols = col < cols;
-                if (c >= lanes_per_row) continue;
+                if (c >= seg_end) continue;
                 if (packed_row && in_cols) {
                     asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(qrow + 8 * c), "r"(lo), "r"(hi) : "memory");
                 }

@@ -36,6 +36,8 @@ LAUNCH = {
     "SILU_WINDOW_MIN_CTAS": 5,  # the windowed-silu SwiGLU pack (kernels/ops.py silu_window_table)
     "SWIGLU_SCALE_EVICT_LAST": 1,  # the SwiGLU packs store block scales with L2 evict_last (nvfp4_pack.cu store_scale_byte)
     "SWIGLU_ABSMAX_ITEMS": 3,  # fc1-output chunks in flight per thread of the SwiGLU global scale (3 CTAs of 512 per SM)
+    # steps (of 16 blocks a lane-row) per unit of work of the modulated and of the plain packs; 0: whole rows
+    "PACK_SEGMENT_STEPS": 0, "PLAIN_SEGMENT_STEPS": 0,
 }
 ABSMAX_CTAS_PER_SM = 4
 # The RMSNorm + RoPE kernel handles H3's heads only: 128 dims, rotation over the first 96 (48 pairs).
@@ -391,7 +393,7 @@ def pack_nvfp4(
         global_scale = scalars[0:1]
     want_alpha = weight_scale_2 is not None and static_scale is None
     kernel, threads, shared = f"nvfp4_pack_{variant}", LAUNCH["PACK_THREADS"], 0
-    units = rows128 if variant == "swiglu" else rows128 // 2  # a warp packs one row, or two (nvfp4_pack.cu kPairedRows)
+    units = _pack_units(variant, rows128, groups)
     grid = max(1, min(-(-units // (threads // 32)), mod.sm_count * 64))  # a warp per unit
     silu = _swiglu_silu(mod) if variant == "swiglu" else None
     if silu == "window":  # persistent: each CTA copies the window once
@@ -407,6 +409,18 @@ def pack_nvfp4(
                          weight_scale_2.data_ptr() if want_alpha else None)
     mod.launch(kernel, grid, threads, params, stream, shared_bytes=shared)
     return PackedActivation(qdata, scales, global_scale, scalars[1:2] if want_alpha else None, rows, k)
+
+
+def _pack_units(variant: str, rows128: int, groups: int) -> int:
+    """Warp units of work of a pack (nvfp4_pack.cu pack_body): one row of a SwiGLU source; two rows of the others,
+    whole or in segments of *_SEGMENT_STEPS steps."""
+    if variant == "swiglu":
+        return rows128
+    items, seg_steps = ((LAUNCH["PLAIN_ITEMS"], LAUNCH["PLAIN_SEGMENT_STEPS"]) if variant == "plain"
+                        else (LAUNCH["ITEMS"], LAUNCH["PACK_SEGMENT_STEPS"]))
+    lanes_per_row = 4 * groups
+    seg_lanes = seg_steps * 16 * items if seg_steps else lanes_per_row
+    return rows128 // 2 * -(-lanes_per_row // seg_lanes)
 
 
 def _row_norm_launch(kernel: str, x, norm: RmsNorm, *, other=None, gate=None, mod_index=None,

@@ -1,0 +1,165 @@
+"""Pack-kernel variants (launch constants) at H3 block shapes, bit-compared against the first arm of their family, then GPU-timed
+side by side (arms interleaved), optionally with Nsight Compute (time, instructions, DRAM bytes) per arm.
+
+Usage: python benchmarks/kernel_sweep.py --out sweep.json [--ncu]
+"""
+
+import argparse
+import contextlib
+import csv
+import io
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import report  # noqa: E402
+
+report.import_pack()
+from h3_fused_nvfp4.integration.report import copy_bandwidth_gbs, time_ms, warm_up_gpu  # noqa: E402
+from h3_fused_nvfp4.kernels import ops  # noqa: E402
+from h3_fused_nvfp4.layout import Modulation, RmsNorm  # noqa: E402
+
+M, D, F, INNER = 37810, 5376, 14336, 7168
+DEV = torch.device("cuda", 0)
+# launch constants of the arms (kernels/ops.py LAUNCH: the build and the grid), per family
+NORM_MODULATE_ARMS = {f"segment_steps_{n}": {"PACK_SEGMENT_STEPS": n} for n in (0, 11, 7, 3)}
+NORM_MODULATE_ARMS["segment_steps_7_min_ctas_4"] = {"PACK_SEGMENT_STEPS": 7, "PACK_MIN_CTAS": 4}
+PLAIN_ARMS = {f"segment_steps_{n}": {"PLAIN_SEGMENT_STEPS": n} for n in (0, 4, 2, 1)}
+FAMILY_ARMS = {"pack_norm_modulate": NORM_MODULATE_ARMS, "pack_plain": PLAIN_ARMS}
+
+
+@contextlib.contextmanager
+def variant(launch):
+    saved = dict(ops.LAUNCH)
+    ops.LAUNCH.update(launch)
+    try:
+        yield
+    finally:
+        ops.LAUNCH.clear()
+        ops.LAUNCH.update(saved)
+
+
+def families():
+    g = torch.Generator(device=DEV).manual_seed(1234)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=DEV) * scale).to(torch.bfloat16)
+
+    x, fc1, attn = rnd(M, D, scale=3), rnd(M, 2 * F, scale=2), rnd(M, INNER)
+    sc, sh = rnd(5, D, scale=0.3), rnd(5, D, scale=0.3)
+    mod_index = (torch.arange(M, device=DEV) * 5 // M).to(torch.int32)
+    nw = (torch.rand(D, generator=g, device=DEV) + 0.5).to(torch.bfloat16)
+    norm, modn = RmsNorm(nw, 1e-5, torch.empty(M, device=DEV)), Modulation(sc, sh, mod_index)
+    g_nm = torch.empty(1, device=DEV)
+    ops.norm_statistics(x, norm, modulation=modn, global_scale_out=g_nm)
+    g_sw = ops.pack_nvfp4(fc1, swiglu=True).global_scale.clone()
+    g_pl = ops.pack_nvfp4(attn).global_scale.clone()
+    bufs = {k: torch.empty(ops.packed_buffer_bytes(M, n), dtype=torch.uint8, device=DEV)
+            for k, n in (("nm", D), ("sw", F), ("pl", INNER))}
+    return {
+        "pack_norm_modulate": (lambda: ops.pack_nvfp4(x, norm=norm, modulation=modn, global_scale=g_nm, out=bufs["nm"]),
+                               bufs["nm"], x.numel() * 2 + bufs["nm"].numel()),
+        "pack_plain": (lambda: ops.pack_nvfp4(attn, global_scale=g_pl, out=bufs["pl"]), bufs["pl"],
+                       attn.numel() * 2 + bufs["pl"].numel()),
+        "pack_swiglu_table": (lambda: ops.pack_nvfp4(fc1, swiglu=True, global_scale=g_sw, out=bufs["sw"]), bufs["sw"],
+                              fc1.numel() * 2 + bufs["sw"].numel()),
+    }
+
+
+def run(ncu_child: bool) -> dict:
+    fams = families()
+    result = {}
+    for fam, (fn, out, moved) in fams.items():
+        if fam not in FAMILY_ARMS:
+            continue
+        arms = FAMILY_ARMS[fam]
+        reference = None
+        for label, launch in arms.items():
+            with variant(launch):
+                out.fill_(0xA5)  # poison: every byte must be rewritten
+                fn()
+                got = out.clone()
+                reference = got if reference is None else reference
+                same = bool(torch.equal(got, reference))
+                result.setdefault(fam, {})[label] = {"identical_to_first_arm": same}
+                if ncu_child:
+                    torch.cuda.synchronize()
+                    torch.cuda.cudart().cudaProfilerStart()
+                    torch.cuda._sleep(1000)
+                    fn()
+                    torch.cuda.synchronize()
+                    torch.cuda.cudart().cudaProfilerStop()
+                    print(f"ARM {fam}/{label}", flush=True)
+        if ncu_child:
+            continue
+        samples = {label: [] for label in arms}
+        for _ in range(5):  # arms interleaved
+            for label, launch in arms.items():
+                with variant(launch):
+                    samples[label] += time_ms(fn, reps=20)
+        for label in arms:
+            ms = statistics.median(samples[label])
+            result[fam][label].update(median_ms=round(ms, 4), gbs=round(moved / ms / 1e6, 1))
+            print(f"{fam:20s} {label:20s} same={result[fam][label]['identical_to_first_arm']} {ms:.4f} ms", flush=True)
+    return result
+
+
+def ncu_table() -> dict:
+    cmd = ["ncu", "--csv", "--clock-control", "none", "--profile-from-start", "off",
+           "--kernel-name", "regex:spin_kernel|nvfp4_pack",
+           "--metrics", "dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum,smsp__inst_executed.sum",
+           sys.executable, __file__, "--ncu-child"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
+                          env=dict(os.environ, H3_FUSED_NVFP4_SELFCHECK="skip"))
+    if '"ID"' not in proc.stdout:
+        return {"error": proc.stderr[-3000:] + proc.stdout[-3000:]}
+    arms = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ARM ")]
+    rows = list(csv.DictReader(io.StringIO(proc.stdout[proc.stdout.index('"ID"'):])))
+    kernels, order = {}, []
+    for r in rows:
+        k = kernels.setdefault(r["ID"], {"kernel": r["Kernel Name"][:40]})
+        if r["ID"] not in order:
+            order.append(r["ID"])
+        k[r["Metric Name"] + " [" + r.get("Metric Unit", "") + "]"] = r["Metric Value"]
+    out, arm_i = {}, -1
+    for kid in order:
+        if "spin_kernel" in kernels[kid]["kernel"]:
+            arm_i += 1
+        elif 0 <= arm_i < len(arms):
+            out.setdefault(arms[arm_i], []).append(kernels[kid])
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="sweep.json")
+    parser.add_argument("--ncu", action="store_true")
+    parser.add_argument("--ncu-child", action="store_true")
+    args = parser.parse_args()
+    warm_up_gpu()
+    if args.ncu_child:
+        run(True)
+        return
+    result = run(False)
+    result["copy_gbs"] = copy_bandwidth_gbs()
+    out_path = pathlib.Path(args.out)
+    out_path.write_text(json.dumps(result, indent=1))
+    if args.ncu:
+        result["ncu"] = ncu_table()
+        out_path.write_text(json.dumps(result, indent=1))
+    for fam in FAMILY_ARMS:
+        print(fam, {k: v.get("median_ms") for k, v in result[fam].items()})
+    for arm, kernels in (result.get("ncu") or {}).items():
+        if isinstance(kernels, list):
+            print("ncu", arm, [(k["gpu__time_duration.sum [ns]"], k["smsp__inst_executed.sum [inst]"]) for k in kernels])
+
+
+if __name__ == "__main__":
+    main()
