@@ -61,7 +61,7 @@
     !defined(RESIDUAL_NORM_BATCH) || !defined(RESIDUAL_AMAX_BATCH) || !defined(RESIDUAL_NORM_MIN_CTAS) ||           \
     !defined(PACK_MIN_CTAS) || !defined(PLAIN_MIN_CTAS) || !defined(SILU_WINDOW_MIN_CTAS) ||           \
     !defined(SWIGLU_SCALE_EVICT_LAST) || !defined(SWIGLU_ABSMAX_ITEMS) || !defined(PACK_SEGMENT_STEPS) ||       \
-    !defined(PLAIN_SEGMENT_STEPS)
+    !defined(PLAIN_SEGMENT_STEPS) || !defined(NORM_PACK_FROM_END)
 #error "kernels/ops.py passes the launch constants (ITEMS, PLAIN_ITEMS, PACK_THREADS, ...) as -D options"
 #endif
 
@@ -156,6 +156,7 @@ struct PlainSource {
     static constexpr bool kScaleEvictLast = false;  // see store_scale_byte
     static constexpr bool kPairedRows = true;       // see pack_body
     static constexpr u32 kSegmentSteps = PLAIN_SEGMENT_STEPS;  // see pack_body
+    static constexpr bool kFromEnd = true;                     // see pack_body
     struct Row { const u16* x; };
     static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return Row{p.x + r * p.x_row_stride}; }
     // Through L1: each lane reads 32 contiguous bytes in two 16-byte loads, and the second load of each sector
@@ -178,6 +179,7 @@ struct ModulateSource {
     static constexpr bool kScaleEvictLast = false;
     static constexpr bool kPairedRows = true;
     static constexpr u32 kSegmentSteps = PACK_SEGMENT_STEPS;
+    static constexpr bool kFromEnd = true;
     struct Row { const u16* x; const u16* scale; const u16* shift; };
     static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) {
         const i64 m = p.mod_index[r];
@@ -206,6 +208,7 @@ struct NormModulateSource {
     static constexpr bool kScaleEvictLast = false;
     static constexpr bool kPairedRows = true;
     static constexpr u32 kSegmentSteps = PACK_SEGMENT_STEPS;
+    static constexpr bool kFromEnd = NORM_PACK_FROM_END;
     struct Row { ModulateSource::Row mod; float rstd; };
     static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return Row{ModulateSource::row(p, r), p.rstd[r]}; }
     static __device__ __forceinline__ void load(const SourceParams& p, const Row& row, i64 col, u32 w[4]) {
@@ -245,6 +248,7 @@ struct SwigluRows {
     static constexpr bool kScaleEvictLast = SWIGLU_SCALE_EVICT_LAST;
     static constexpr bool kPairedRows = false;
     static constexpr u32 kSegmentSteps = 0;
+    static constexpr bool kFromEnd = false;
     using Row = PlainSource::Row;
     static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return PlainSource::row(p, r); }
 };
@@ -452,7 +456,7 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
     if (p.alpha_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) p.alpha_out[0] = __fmul_rn(g, p.weight_scale_2[0]);
 
     u32 i = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-#define PACK_UNIT(i) (Source::kPairedRows ? row_units - 1 - (i) : (i))
+#define PACK_UNIT(i) (Source::kFromEnd ? row_units - 1 - (i) : (i))
     for (; i < units; i += warps_total) {
         if (Source::kScaleEvictLast && i >= warps_total)
             release_scale_lines(p.scales, PACK_UNIT(i - warps_total) * RowsPerWarp, scale_groups, lane);

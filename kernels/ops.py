@@ -38,6 +38,7 @@ LAUNCH = {
     "SWIGLU_ABSMAX_ITEMS": 3,  # fc1-output chunks in flight per thread of the SwiGLU global scale (3 CTAs of 512 per SM)
     # steps (of 16 blocks a lane-row) per unit of work of the modulated and of the plain packs; 0: whole rows
     "PACK_SEGMENT_STEPS": 0, "PLAIN_SEGMENT_STEPS": 0,
+    "NORM_PACK_FROM_END": 1,  # the normalized, modulated pack takes its row pairs from the last one back
 }
 ABSMAX_CTAS_PER_SM = 4
 # The RMSNorm + RoPE kernel handles H3's heads only: 128 dims, rotation over the first 96 (48 pairs).

@@ -43,17 +43,19 @@ def test_odd_shapes(rows, cols):
     assert_same_pack(fused_pack(x), *comfy_pack(x), f"[{rows}, {cols}] seed {seed}")
 
 
-@pytest.mark.parametrize("segment_steps", [1, 2, 5])
+@pytest.mark.parametrize("segment_steps,from_end", [(1, 1), (2, 0), (5, 1), (0, 0)])
 @pytest.mark.parametrize("rows,cols", [(17, 16), (301, 80), (129, 5392), (301, 5632), (301, 7168)])
-def test_row_segments(rows, cols, segment_steps, monkeypatch):
+def test_row_segments_and_order(rows, cols, segment_steps, from_end, monkeypatch):
     """Units of work of a few steps each (kernels/ops.py PLAIN_SEGMENT_STEPS, PACK_SEGMENT_STEPS): segment ends
-    inside a row, at its end and past it, for the plain and the normalized, modulated packs."""
+    inside a row, at its end and past it, for the plain and the normalized, modulated packs; the normalized pack's
+    row pairs from either end (NORM_PACK_FROM_END)."""
     from h3_fused_nvfp4.integration.selfcheck import _comfy_rms_norm
     from h3_fused_nvfp4.layout import RmsNorm
 
     ops = _ops()
     monkeypatch.setitem(ops.LAUNCH, "PLAIN_SEGMENT_STEPS", segment_steps)
     monkeypatch.setitem(ops.LAUNCH, "PACK_SEGMENT_STEPS", segment_steps)
+    monkeypatch.setitem(ops.LAUNCH, "NORM_PACK_FROM_END", from_end)
     seed = fresh_seed()
     x = random_activation(rows, cols)
     assert_same_pack(fused_pack(x), *comfy_pack(x), f"plain [{rows}, {cols}] steps {segment_steps} seed {seed}")
