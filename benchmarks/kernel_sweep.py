@@ -157,6 +157,53 @@ def run(ncu_child: bool) -> dict:
     return result
 
 
+BLOCK_ARMS = {
+    "current": {},
+    "plain_segment_steps_1": {"PLAIN_SEGMENT_STEPS": 1},
+    "norm_pack_from_start": {"NORM_PACK_FROM_END": 0},
+    "both": {"PLAIN_SEGMENT_STEPS": 1, "NORM_PACK_FROM_END": 0},
+}
+
+
+def block_profile(rounds: int = 3) -> dict:
+    """The report's profiler figure (kernels other than GEMMs, emulation and attention of the middle of three real
+    H3 blocks, per-kernel median of PROFILE_CALLS calls behind a spin kernel) per arm, arms interleaved; the block
+    output of every arm bit-compared with the first arm's."""
+    import logging
+
+    from h3_fused_nvfp4.integration import report as rep
+
+    rep.comfy_env.import_comfyui()
+    logging.getLogger("comfy_kitchen.tensor.nvfp4").setLevel(logging.ERROR)  # the emulated-GEMM warning
+    chain = rep.BlockChain(rep.syn.H3_FULL, rep.syn.FULL_TOKENS, DEV)
+    chain.arm("fused")
+    result, reference = {}, None
+    for label, launch in BLOCK_ARMS.items():
+        with variant(launch):
+            for _ in range(2):
+                out = chain.run().clone()
+        reference = out if reference is None else reference
+        result[label] = {"identical_to_first_arm": bool(torch.equal(out.view(torch.int16), reference.view(torch.int16))),
+                         "non_gemm_non_attention_ms": [], "kernels": None}
+    for _ in range(rounds):
+        for label, launch in BLOCK_ARMS.items():
+            with variant(launch):
+                runs = []
+                for _ in range(rep.PROFILE_CALLS):
+                    kernels = []
+                    chain.run(lambda fn: kernels.extend(rep.kernel_profile(fn, lead_cycles=HOST_LEAD_CYCLES)))
+                    runs.append(kernels)
+                sec = rep._sections(rep.median_kernels(runs), None, "fused")
+                result[label]["non_gemm_non_attention_ms"].append(sec["other_boundaries"]["non_gemm_non_attention_ms"])
+                result[label]["kernels"] = [(k["kernel"][:32], round(k["ms"], 4)) for k in sec["kernels"]
+                                            if k["category"] not in rep.NOT_ELEMENTWISE]
+    for label, r in result.items():
+        r["median_ms"] = round(statistics.median(r["non_gemm_non_attention_ms"]), 4)
+        print(f"block {label:24s} same={r['identical_to_first_arm']} {r['median_ms']:.4f} ms {r['non_gemm_non_attention_ms']}",
+              flush=True)
+    return result
+
+
 def ncu_table() -> dict:
     cmd = ["ncu", "--csv", "--clock-control", "none", "--profile-from-start", "off",
            "--kernel-name", "regex:spin_kernel|nvfp4_pack",
@@ -195,6 +242,7 @@ def main():
         return
     result = run(False)
     result["copy_gbs"] = copy_bandwidth_gbs()
+    result["block"] = block_profile()
     out_path = pathlib.Path(args.out)
     out_path.write_text(json.dumps(result, indent=1))
     if args.ncu:
