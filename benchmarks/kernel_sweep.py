@@ -188,11 +188,7 @@ def block_profile(rounds: int = 3) -> dict:
     for _ in range(rounds):
         for label, launch in BLOCK_ARMS.items():
             with variant(launch):
-                runs = []
-                for _ in range(rep.PROFILE_CALLS):
-                    kernels = []
-                    chain.run(lambda fn: kernels.extend(rep.kernel_profile(fn, lead_cycles=HOST_LEAD_CYCLES)))
-                    runs.append(kernels)
+                runs = [rep.middle_block_profile(chain) for _ in range(rep.PROFILE_CALLS)]
                 sec = rep._sections(rep.median_kernels(runs), None, "fused")
                 result[label]["non_gemm_non_attention_ms"].append(sec["other_boundaries"]["non_gemm_non_attention_ms"])
                 result[label]["kernels"] = [(k["kernel"][:32], round(k["ms"], 4)) for k in sec["kernels"]

@@ -41,7 +41,7 @@ SEED = 440420
 GB10_READ_BANDWIDTH_GBS = 232.0   # measured on a DGX Spark (reference profile)
 GB10_SPEC_BANDWIDTH_GBS = 273.0   # LPDDR5X datasheet
 HOST_LEAD_CYCLES = 2_000_000      # spin kernel ahead of each timed call: hides the host's launch overhead
-PROFILE_CALLS = 5                 # profiled calls per arm; each kernel's time is its median over them
+PROFILE_CALLS = 5                 # profiled three-block runs per arm; each kernel's time is its median over them
 NCU_METRICS = "dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum"
 MARKER = "spin_kernel"            # torch.cuda._sleep's kernel: opens each measured window under ncu
 
@@ -163,25 +163,35 @@ def time_ms(fn, reps: int = 30, warmup: int = 5) -> list[float]:
     return times
 
 
-def kernel_profile(fn, lead_cycles: int = 0) -> list[dict]:
-    """The CUDA kernels one call of ``fn`` launches, in order: name, category, GPU ms (torch.profiler). With
-    ``lead_cycles`` a spin kernel runs first (left out of the list), so the call's first kernel does not start on a
-    GPU left idle by the host's sync, as inside a running model."""
+def kernel_profile(fn) -> list[dict]:
+    """The CUDA kernels one call of ``fn`` launches, in order: name, category, GPU ms (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        if lead_cycles:
-            torch.cuda._sleep(lead_cycles)
         fn()
         torch.cuda.synchronize()
     events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
-    if lead_cycles:
-        events = [e for e in events if MARKER not in e.name]
     names = [e.name for e in events]
     cats = label_kernels(names)
     return [{"kernel": n[:160], "category": c, "ms": getattr(e, "device_time_total", 0.0) / 1e3}
             for n, c, e in zip(names, cats, events)]
+
+
+def middle_block_profile(chain: "BlockChain") -> list[dict]:
+    """The middle block's kernels, cut out of one profile of the whole three-block run: each kernel runs after its
+    real predecessor (block 0's last kernels before the middle block's first), with no host sync in between, as in a
+    running model. Two one-cycle spin kernels mark the middle block's ends."""
+    def marked(fn):
+        torch.cuda._sleep(1)
+        fn()
+        torch.cuda._sleep(1)
+
+    kernels = kernel_profile(lambda: chain.run(marked))
+    marks = [i for i, k in enumerate(kernels) if MARKER in k["kernel"]]
+    if len(marks) != 2:
+        raise RuntimeError(f"expected the middle block between two {MARKER} markers, found {len(marks)}")
+    return kernels[marks[0] + 1:marks[1]]
 
 
 def median_kernels(runs: list[list[dict]]) -> list[dict]:
@@ -255,8 +265,9 @@ def _sections(kernels: list[dict], block_ms: float | None, arm: str) -> dict:
 
     rest = [k for k in kernels if k["category"] not in NOT_ELEMENTWISE]
     return {
-        "capture": {"tool": f"torch.profiler (CUDA activity), the middle of three warmed blocks: per-kernel median of "
-                            f"{PROFILE_CALLS} calls, each behind a spin kernel",
+        "capture": {"tool": f"torch.profiler (CUDA activity), the middle of three warmed blocks, cut out of a profile "
+                            f"of the whole three-block run (no host sync before it): per-kernel median of "
+                            f"{PROFILE_CALLS} runs",
                     "kernel_launches": len(kernels),
                     "launches_excluding_gemm_attention_and_emulation": len(rest),
                     "block_ms_median": None if block_ms is None else round(block_ms, 3)},
@@ -382,11 +393,7 @@ def profile_blocks(args, device) -> dict:
         # as earlier reports took it: one call right after a host sync (its first kernel starts on an idle GPU)
         after_sync = []
         chain.run(lambda fn: after_sync.extend(kernel_profile(fn)))
-        runs = []
-        for _ in range(PROFILE_CALLS):
-            kernels = []
-            chain.run(lambda fn: kernels.extend(kernel_profile(fn, lead_cycles=HOST_LEAD_CYCLES)))
-            runs.append(kernels)
+        runs = [middle_block_profile(chain) for _ in range(PROFILE_CALLS)]
         sections[arm] = _sections(median_kernels(runs), statistics.median(samples[arm]), arm)
         sections[arm]["other_boundaries"]["non_gemm_non_attention_ms_one_call_after_host_sync"] = _sections(
             after_sync, None, arm)["other_boundaries"]["non_gemm_non_attention_ms"]

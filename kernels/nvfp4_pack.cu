@@ -45,7 +45,9 @@
 // norm-modulate 0.176 -> 0.170 ms in ncu; the plain pack of out_proj, 4 blocks a lane, 0.174 -> 0.171), and the
 // paired units run from the last rows back, which the kernel before (the global-scale pass, the residual) touched
 // last: the pairs of kernels gain 3-4 us on the H200. The SwiGLU table pack is slower with half warps (0.593 ->
-// 0.633 ms) and keeps whole rows in order (benchmarks/README.md, tuning log). Rows cover
+// 0.633 ms) and keeps whole rows in order (benchmarks/README.md, tuning log). The plain pack's unit of work is one
+// step of a row pair (PLAIN_SEGMENT_STEPS): ncu 0.172 -> 0.168 ms, 0.171 -> 0.166 in the block; the norm-modulate
+// pack keeps whole pairs (segments of 11, 7, 3 steps: 0.172 -> 0.175-0.181 ms, the row set-up per unit). Rows cover
 // [0, roundup(roundup(M,16),128)): rows in [M, roundup(M,16)) are packed from zeros (as comfy-kitchen pads them),
 // rows beyond only get zero scales. Measured slower on the H200 (benchmarks/README.md): splitting a block over two
 // lanes for 512-byte coalesced loads (+17% at K=5376), and persistent warps walking the flat block list across row
@@ -60,8 +62,7 @@
     !defined(ROW_NORM_MAX_STEPS) || !defined(ROW_NORM_BATCH) || !defined(RESIDUAL_NORM_THREADS) ||   \
     !defined(RESIDUAL_NORM_BATCH) || !defined(RESIDUAL_AMAX_BATCH) || !defined(RESIDUAL_NORM_MIN_CTAS) ||           \
     !defined(PACK_MIN_CTAS) || !defined(PLAIN_MIN_CTAS) || !defined(SILU_WINDOW_MIN_CTAS) ||           \
-    !defined(SWIGLU_SCALE_EVICT_LAST) || !defined(SWIGLU_ABSMAX_ITEMS) || !defined(PACK_SEGMENT_STEPS) ||       \
-    !defined(PLAIN_SEGMENT_STEPS) || !defined(NORM_PACK_FROM_END)
+    !defined(SWIGLU_SCALE_EVICT_LAST) || !defined(SWIGLU_ABSMAX_ITEMS) || !defined(PLAIN_SEGMENT_STEPS)
 #error "kernels/ops.py passes the launch constants (ITEMS, PLAIN_ITEMS, PACK_THREADS, ...) as -D options"
 #endif
 
@@ -156,7 +157,6 @@ struct PlainSource {
     static constexpr bool kScaleEvictLast = false;  // see store_scale_byte
     static constexpr bool kPairedRows = true;       // see pack_body
     static constexpr u32 kSegmentSteps = PLAIN_SEGMENT_STEPS;  // see pack_body
-    static constexpr bool kFromEnd = true;                     // see pack_body
     struct Row { const u16* x; };
     static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return Row{p.x + r * p.x_row_stride}; }
     // Through L1: each lane reads 32 contiguous bytes in two 16-byte loads, and the second load of each sector
@@ -178,8 +178,7 @@ NVFP4_DEVICE u32 modulate_x2(u32 x, u32 scale, u32 shift) {
 struct ModulateSource {
     static constexpr bool kScaleEvictLast = false;
     static constexpr bool kPairedRows = true;
-    static constexpr u32 kSegmentSteps = PACK_SEGMENT_STEPS;
-    static constexpr bool kFromEnd = true;
+    static constexpr u32 kSegmentSteps = 0;  // whole row pairs (see pack_body)
     struct Row { const u16* x; const u16* scale; const u16* shift; };
     static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) {
         const i64 m = p.mod_index[r];
@@ -207,8 +206,7 @@ NVFP4_DEVICE u32 rms_norm_x2(u32 x, u32 w, float rstd) {
 struct NormModulateSource {
     static constexpr bool kScaleEvictLast = false;
     static constexpr bool kPairedRows = true;
-    static constexpr u32 kSegmentSteps = PACK_SEGMENT_STEPS;
-    static constexpr bool kFromEnd = NORM_PACK_FROM_END;
+    static constexpr u32 kSegmentSteps = 0;
     struct Row { ModulateSource::Row mod; float rstd; };
     static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return Row{ModulateSource::row(p, r), p.rstd[r]}; }
     static __device__ __forceinline__ void load(const SourceParams& p, const Row& row, i64 col, u32 w[4]) {
@@ -248,7 +246,6 @@ struct SwigluRows {
     static constexpr bool kScaleEvictLast = SWIGLU_SCALE_EVICT_LAST;
     static constexpr bool kPairedRows = false;
     static constexpr u32 kSegmentSteps = 0;
-    static constexpr bool kFromEnd = false;
     using Row = PlainSource::Row;
     static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return PlainSource::row(p, r); }
 };
@@ -443,8 +440,8 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
     const float g = p.global_scale[0], rcp_g = rcp_approx_ftz(g);
     const u32 lane = threadIdx.x & 31;
     // A warp's unit of work: one row (32 lanes), or two rows of 16 lanes each for the sources with kPairedRows,
-    // whole or in segments of kSegmentSteps steps (0: whole rows). Paired units are taken from the end of the
-    // tensor, where the kernel before left data in L2.
+    // whole or kSegmentSteps steps of them (0: whole rows). Paired units are taken from the end of the tensor,
+    // where the kernel before left data in L2.
     constexpr u32 RowLanes = Source::kPairedRows ? 16 : 32, RowsPerWarp = Source::kPairedRows ? 2 : 1;
     constexpr u32 StepLanes = RowLanes * Items;  // blocks of a row per step
     const u32 sublane = lane % RowLanes;
@@ -456,7 +453,7 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
     if (p.alpha_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) p.alpha_out[0] = __fmul_rn(g, p.weight_scale_2[0]);
 
     u32 i = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-#define PACK_UNIT(i) (Source::kFromEnd ? row_units - 1 - (i) : (i))
+#define PACK_UNIT(i) (Source::kPairedRows ? row_units - 1 - (i) : (i))
     for (; i < units; i += warps_total) {
         if (Source::kScaleEvictLast && i >= warps_total)
             release_scale_lines(p.scales, PACK_UNIT(i - warps_total) * RowsPerWarp, scale_groups, lane);

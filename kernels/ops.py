@@ -36,9 +36,9 @@ LAUNCH = {
     "SILU_WINDOW_MIN_CTAS": 5,  # the windowed-silu SwiGLU pack (kernels/ops.py silu_window_table)
     "SWIGLU_SCALE_EVICT_LAST": 1,  # the SwiGLU packs store block scales with L2 evict_last (nvfp4_pack.cu store_scale_byte)
     "SWIGLU_ABSMAX_ITEMS": 3,  # fc1-output chunks in flight per thread of the SwiGLU global scale (3 CTAs of 512 per SM)
-    # steps (of 16 blocks a lane-row) per unit of work of the modulated and of the plain packs; 0: whole rows
-    "PACK_SEGMENT_STEPS": 0, "PLAIN_SEGMENT_STEPS": 0,
-    "NORM_PACK_FROM_END": 1,  # the normalized, modulated pack takes its row pairs from the last one back
+    # the plain pack's unit of work: this many steps (of PLAIN_ITEMS blocks a lane) of a row pair (nvfp4_pack.cu
+    # pack_body); 0 = whole row pairs, as the modulated packs keep
+    "PLAIN_SEGMENT_STEPS": 1,
 }
 ABSMAX_CTAS_PER_SM = 4
 # The RMSNorm + RoPE kernel handles H3's heads only: 128 dims, rotation over the first 96 (48 pairs).
@@ -413,14 +413,13 @@ def pack_nvfp4(
 
 
 def _pack_units(variant: str, rows128: int, groups: int) -> int:
-    """Warp units of work of a pack (nvfp4_pack.cu pack_body): one row of a SwiGLU source; two rows of the others,
-    whole or in segments of *_SEGMENT_STEPS steps."""
+    """Warp units of work of a pack (nvfp4_pack.cu pack_body): one row of a SwiGLU source, two rows of the modulated
+    ones, segments of PLAIN_SEGMENT_STEPS steps of two rows of the plain one."""
     if variant == "swiglu":
         return rows128
-    items, seg_steps = ((LAUNCH["PLAIN_ITEMS"], LAUNCH["PLAIN_SEGMENT_STEPS"]) if variant == "plain"
-                        else (LAUNCH["ITEMS"], LAUNCH["PACK_SEGMENT_STEPS"]))
+    seg_steps = LAUNCH["PLAIN_SEGMENT_STEPS"] if variant == "plain" else 0
     lanes_per_row = 4 * groups
-    seg_lanes = seg_steps * 16 * items if seg_steps else lanes_per_row
+    seg_lanes = seg_steps * 16 * LAUNCH["PLAIN_ITEMS"] if seg_steps else lanes_per_row
     return rows128 // 2 * -(-lanes_per_row // seg_lanes)
 
 

@@ -43,34 +43,15 @@ def test_odd_shapes(rows, cols):
     assert_same_pack(fused_pack(x), *comfy_pack(x), f"[{rows}, {cols}] seed {seed}")
 
 
-@pytest.mark.parametrize("segment_steps,from_end", [(1, 1), (2, 0), (5, 1), (0, 0)])
-@pytest.mark.parametrize("rows,cols", [(17, 16), (301, 80), (129, 5392), (301, 5632), (301, 7168)])
-def test_row_segments_and_order(rows, cols, segment_steps, from_end, monkeypatch):
-    """Units of work of a few steps each (kernels/ops.py PLAIN_SEGMENT_STEPS, PACK_SEGMENT_STEPS): segment ends
-    inside a row, at its end and past it, for the plain and the normalized, modulated packs; the normalized pack's
-    row pairs from either end (NORM_PACK_FROM_END)."""
-    from h3_fused_nvfp4.integration.selfcheck import _comfy_rms_norm
-    from h3_fused_nvfp4.layout import RmsNorm
-
-    ops = _ops()
-    monkeypatch.setitem(ops.LAUNCH, "PLAIN_SEGMENT_STEPS", segment_steps)
-    monkeypatch.setitem(ops.LAUNCH, "PACK_SEGMENT_STEPS", segment_steps)
-    monkeypatch.setitem(ops.LAUNCH, "NORM_PACK_FROM_END", from_end)
+@pytest.mark.parametrize("segment_steps", [0, 1, 2, 5])
+@pytest.mark.parametrize("rows,cols", [(17, 16), (301, 80), (129, 5392), (301, 7168), (H3_ROWS, 7168)])
+def test_plain_pack_row_segments(rows, cols, segment_steps, monkeypatch):
+    """The plain pack's units of work of a few steps of a row pair (kernels/ops.py PLAIN_SEGMENT_STEPS; 0 = whole
+    pairs): unit ends inside a row, at its end and past it."""
+    monkeypatch.setitem(_ops().LAUNCH, "PLAIN_SEGMENT_STEPS", segment_steps)
     seed = fresh_seed()
     x = random_activation(rows, cols)
     assert_same_pack(fused_pack(x), *comfy_pack(x), f"plain [{rows}, {cols}] steps {segment_steps} seed {seed}")
-    if cols > ops.ROW_NORM_MAX_COLS:  # out_proj's width: plain only
-        return
-    weight = (1 + torch.randn(cols, device="cuda") * 0.1).to(torch.bfloat16)
-    shift, scale, _ = _tables(rows, cols)
-    segments, index = segments_and_index(rows, 6)
-    norm = RmsNorm(weight, 1e-5, torch.full((rows,), float("nan"), device="cuda"))
-    g = torch.full((1,), float("nan"), device="cuda")
-    modulation = ops.Modulation(scale, shift, index)
-    ops.norm_statistics(x, norm, modulation=modulation, global_scale_out=g)
-    h = _h3()._mod_scale_shift(_comfy_rms_norm(cols, weight, 1e-5)(x), shift, scale, segments)
-    fused = fused_pack(x, global_scale=g, modulation=modulation, norm=norm)
-    assert_same_pack(fused, *comfy_pack(h), f"normalized [{rows}, {cols}] steps {segment_steps} seed {seed}")
 
 
 @pytest.mark.parametrize("static", [0.5, 1.0, 3.0e-3, 7.1e-5])
