@@ -46,7 +46,8 @@
 // paired units run from the last rows back, which the kernel before (the global-scale pass, the residual) touched
 // last: the pairs of kernels gain 3-4 us on the H200. The SwiGLU table pack is slower with half warps (0.593 ->
 // 0.633 ms) and keeps whole rows in order (benchmarks/README.md, tuning log). The plain pack's unit of work is one
-// step of a row pair (PLAIN_SEGMENT_STEPS): ncu 0.172 -> 0.168 ms, 0.171 -> 0.166 in the block; the norm-modulate
+// step of a row pair (PLAIN_SEGMENT_STEPS) where the pair splits into whole steps (out_proj, K = 7168: ncu 0.172 ->
+// 0.168 ms, 0.171 -> 0.166 in the block); the norm-modulate
 // pack keeps whole pairs (segments of 11, 7, 3 steps: 0.172 -> 0.175-0.181 ms, the row set-up per unit). Rows cover
 // [0, roundup(roundup(M,16),128)): rows in [M, roundup(M,16)) are packed from zeros (as comfy-kitchen pads them),
 // rows beyond only get zero scales. Measured slower on the H200 (benchmarks/README.md): splitting a block over two
@@ -446,8 +447,13 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
     constexpr u32 StepLanes = RowLanes * Items;  // blocks of a row per step
     const u32 sublane = lane % RowLanes;
     const u32 row_units = rows128 / RowsPerWarp;  // rows128 is a multiple of 128
-    const u32 seg_lanes = Source::kSegmentSteps ? Source::kSegmentSteps * StepLanes : lanes_per_row;
-    const u32 segments = Source::kSegmentSteps ? (lanes_per_row + seg_lanes - 1) / seg_lanes : 1u;
+    // segments only where a row pair splits into whole ones (a partial step as a unit of its own: the plain pack at
+    // K = 5376 2% slower than with whole pairs)
+    u32 seg_lanes = lanes_per_row, segments = 1;
+    if (Source::kSegmentSteps && lanes_per_row % (Source::kSegmentSteps * StepLanes) == 0) {
+        seg_lanes = Source::kSegmentSteps * StepLanes;
+        segments = lanes_per_row / seg_lanes;
+    }
     const u32 units = row_units * segments;
     const u32 warps_total = gridDim.x * (blockDim.x >> 5);
     if (p.alpha_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) p.alpha_out[0] = __fmul_rn(g, p.weight_scale_2[0]);
@@ -459,7 +465,7 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
             release_scale_lines(p.scales, PACK_UNIT(i - warps_total) * RowsPerWarp, scale_groups, lane);
         const u32 row_unit = Source::kSegmentSteps ? i / segments : i;
         const u32 seg_begin = Source::kSegmentSteps ? (i - row_unit * segments) * seg_lanes : 0u;
-        const u32 seg_end = Source::kSegmentSteps ? min(seg_begin + seg_lanes, lanes_per_row) : lanes_per_row;
+        const u32 seg_end = Source::kSegmentSteps ? seg_begin + seg_lanes : lanes_per_row;
         const u32 row = PACK_UNIT(row_unit) * RowsPerWarp + lane / RowLanes;
         const bool data_row = row < rows;
         const bool packed_row = row < rows16;

@@ -414,13 +414,13 @@ def pack_nvfp4(
 
 def _pack_units(variant: str, rows128: int, groups: int) -> int:
     """Warp units of work of a pack (nvfp4_pack.cu pack_body): one row of a SwiGLU source, two rows of the modulated
-    ones, segments of PLAIN_SEGMENT_STEPS steps of two rows of the plain one."""
+    ones; for the plain one, segments of PLAIN_SEGMENT_STEPS steps of two rows where they split into whole ones."""
     if variant == "swiglu":
         return rows128
-    seg_steps = LAUNCH["PLAIN_SEGMENT_STEPS"] if variant == "plain" else 0
+    seg_lanes = 16 * LAUNCH["PLAIN_ITEMS"] * LAUNCH["PLAIN_SEGMENT_STEPS"] if variant == "plain" else 0
     lanes_per_row = 4 * groups
-    seg_lanes = seg_steps * 16 * LAUNCH["PLAIN_ITEMS"] if seg_steps else lanes_per_row
-    return rows128 // 2 * -(-lanes_per_row // seg_lanes)
+    segments = lanes_per_row // seg_lanes if seg_lanes and lanes_per_row % seg_lanes == 0 else 1
+    return rows128 // 2 * segments
 
 
 def _row_norm_launch(kernel: str, x, norm: RmsNorm, *, other=None, gate=None, mod_index=None,

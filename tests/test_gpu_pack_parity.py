@@ -44,10 +44,11 @@ def test_odd_shapes(rows, cols):
 
 
 @pytest.mark.parametrize("segment_steps", [0, 1, 2, 5])
-@pytest.mark.parametrize("rows,cols", [(17, 16), (301, 80), (129, 5392), (301, 7168), (H3_ROWS, 7168)])
+@pytest.mark.parametrize("rows,cols", [(17, 16), (301, 80), (129, 5392), (301, 2048), (301, 10240), (129, 14336),
+                                       (H3_ROWS, 7168)])
 def test_plain_pack_row_segments(rows, cols, segment_steps, monkeypatch):
     """The plain pack's units of work of a few steps of a row pair (kernels/ops.py PLAIN_SEGMENT_STEPS; 0 = whole
-    pairs): unit ends inside a row, at its end and past it."""
+    pairs, as are rows that do not split into whole segments): 1-14 segments a row, pad rows, partial last steps."""
     monkeypatch.setitem(_ops().LAUNCH, "PLAIN_SEGMENT_STEPS", segment_steps)
     seed = fresh_seed()
     x = random_activation(rows, cols)
