@@ -12,7 +12,6 @@
 #   bench-pack     benchmarks/bench_pack.py                        -> pack.json
 #   bench-rope     benchmarks/bench_rope.py                        -> rope.json
 #   trade          benchmarks/calibration_trade.py                 -> calibration-trade.json
-#   sweep          benchmarks/kernel_sweep.py --ncu                -> sweep.json (pack-kernel variants)
 #
 # The machine has no network: .whl/ holds the wheels it lacks (comfy-kitchen, comfy-aimdo, torchsde, trampoline;
 # ../shared/tools/device-wheels.sh and pip download make them), .device/comfyui.tar.gz a copy of ../shared/comfyui and
@@ -53,8 +52,6 @@ for step in ${STEPS:-tests report}; do
              rc=$?; tail -3 "$OUT/rope.log" ;;
     trade) timeout "$STEP_TIMEOUT" python3 benchmarks/calibration_trade.py --out "$OUT/calibration-trade.json" \
              > "$OUT/trade.log" 2>&1; rc=$?; tail -12 "$OUT/trade.log" ;;
-    sweep) timeout "$STEP_TIMEOUT" python3 benchmarks/kernel_sweep.py --ncu --out "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1
-             rc=$?; tail -4 "$OUT/sweep.log" ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
   summary+=("$step: exit $rc, $((SECONDS - start)) s")
