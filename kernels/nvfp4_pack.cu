@@ -47,8 +47,8 @@
 // last: the pairs of kernels gain 3-4 us on the H200. The SwiGLU table pack is slower with half warps (0.593 ->
 // 0.633 ms) and keeps whole rows in order (benchmarks/README.md, tuning log). The plain pack's unit of work is one
 // step of a row pair (PLAIN_SEGMENT_STEPS) where the pair splits into whole steps (out_proj, K = 7168: ncu 0.172 ->
-// 0.168 ms, 0.171 -> 0.166 in the block); the norm-modulate
-// pack keeps whole pairs (segments of 11, 7, 3 steps: 0.172 -> 0.175-0.181 ms, the row set-up per unit). Rows cover
+// 0.168 ms, 0.171 -> 0.166 in the block); the norm-modulate pack keeps whole pairs (segments of 11, 7 or 3 steps:
+// 0.172 -> 0.175-0.181 ms, the row set-up per unit). Rows cover
 // [0, roundup(roundup(M,16),128)): rows in [M, roundup(M,16)) are packed from zeros (as comfy-kitchen pads them),
 // rows beyond only get zero scales. Measured slower on the H200 (benchmarks/README.md): splitting a block over two
 // lanes for 512-byte coalesced loads (+17% at K=5376), and persistent warps walking the flat block list across row
