@@ -4,8 +4,9 @@ The ``.cu`` sources in this folder are compiled at first use with NVRTC for the 
 (``sm_<major><minor>a``: the arch-specific target enables sm_100+/sm_120+ instructions such as the E2M1
 conversion), cached on disk, loaded with the CUDA driver API and launched on torch's current stream.
 
-Only ``ctypes`` is used: NVRTC ships with CUDA-13 builds of torch (``nvidia/cu13/lib``) and the driver is
-``libcuda``, so the pack needs no compiler, no extra Python package and no build step at install time.
+Only ``ctypes`` is used: NVRTC ships with CUDA-13 builds of torch (``nvidia/cu13/lib`` on Linux,
+``nvidia/cu13/bin/x86_64`` or ``torch/lib`` on Windows) and the driver is ``libcuda`` / ``nvcuda.dll``, so the pack
+needs no compiler, no extra Python package and no build step at install time.
 
 Cache: ``$H3_FUSED_NVFP4_CACHE`` or ``~/.cache/h3_fused_nvfp4``; one cubin per (schema version, source and
 header digests, options, arch, NVRTC version), written atomically with a SHA-256 trailer. A file whose trailer
@@ -22,6 +23,7 @@ import ctypes
 import ctypes.util
 import glob
 import hashlib
+import importlib.util
 import logging
 import os
 import pathlib
@@ -47,24 +49,43 @@ class KernelBuildError(RuntimeError):
 
 # ---- library discovery -----------------------------------------------------------------------------------
 
+# Where NVRTC may live, tried in this order: the CUDA wheels torch depends on (Linux nvidia/cu13/lib, Windows
+# nvidia/cu13/bin/x86_64), the older per-library wheels, torch's own lib folder (torch's CUDA builds for Windows carry
+# their CUDA DLLs there), a CUDA toolkit (CUDA 13 on Windows keeps its DLLs in bin\x64), then the loader's path.
+NVRTC_WHEEL_DIRS = ("nvidia/cu13/lib", "nvidia/cu13/bin/x86_64", "nvidia/cu13/bin", "nvidia/cuda_nvrtc/lib",
+                    "nvidia/cuda_nvrtc/bin", "nvidia/cu12/lib")
+NVRTC_TOOLKIT_DIRS = ("lib64", "lib", "bin/x64", "bin")
+NVRTC_NAMES = ("libnvrtc.so*", "nvrtc64_*.dll")
+NVRTC_BUILTINS_NAMES = ("libnvrtc-builtins.so.*", "nvrtc-builtins64_*.dll")
+
+
+def _libraries_in(folder: str, patterns: tuple) -> list[str]:
+    """Files in ``folder`` matching ``patterns``, the highest version first; the .alt builds NVIDIA ships beside the
+    libraries are skipped."""
+    found: list[str] = []
+    for pattern in patterns:
+        found += sorted(glob.glob(os.path.join(folder, pattern)), reverse=True)
+    return [p for p in found if ".alt." not in os.path.basename(p)]
+
+
 def _candidate_nvrtc_paths() -> list[str]:
-    paths: list[str] = []
-    for entry in sys.path:
-        for sub in ("nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib", "nvidia/cu12/lib"):
-            paths += sorted(glob.glob(os.path.join(entry, sub, "libnvrtc.so*")), reverse=True)
-            paths += sorted(glob.glob(os.path.join(entry, sub.replace("/lib", "/bin"), "nvrtc64_*.dll")), reverse=True)
+    folders = [os.path.join(entry, sub) for entry in sys.path for sub in NVRTC_WHEEL_DIRS]
+    torch_spec = importlib.util.find_spec("torch")
+    if torch_spec is not None and torch_spec.submodule_search_locations:
+        folders += [os.path.join(location, "lib") for location in torch_spec.submodule_search_locations]
     for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         if home:
-            paths += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")), reverse=True)
-            paths += sorted(glob.glob(os.path.join(home, "bin", "nvrtc64_*.dll")), reverse=True)
+            folders += [os.path.join(home, sub) for sub in NVRTC_TOOLKIT_DIRS]
+    paths = [path for folder in folders for path in _libraries_in(folder, NVRTC_NAMES)]
     found = ctypes.util.find_library("nvrtc")
     if found:
         paths.append(found)
-    return [p for p in paths if not p.endswith((".alt.so", "builtins.so"))]
+    return list(dict.fromkeys(paths))
 
 
 _nvrtc = None
 _nvrtc_lock = threading.Lock()
+_dll_directories: list = []  # os.add_dll_directory handles: the directory stays searchable while one is held
 
 
 def nvrtc() -> ctypes.CDLL:
@@ -75,11 +96,13 @@ def nvrtc() -> ctypes.CDLL:
             errors = []
             for path in _candidate_nvrtc_paths():
                 try:
-                    # NVRTC dlopens its builtins by soname; load the sibling copy first so that works without
-                    # LD_LIBRARY_PATH (pip-installed CUDA libraries are not on the loader path).
-                    for builtins in glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so.*")):
-                        if ".alt." not in builtins:
-                            ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+                    # NVRTC loads its builtins library by name; load the sibling copy first so that works without
+                    # LD_LIBRARY_PATH / PATH (pip-installed CUDA libraries are not on the loader's path).
+                    folder = os.path.dirname(path)
+                    if folder and hasattr(os, "add_dll_directory"):  # Windows: where the DLLs' DLLs are looked for
+                        _dll_directories.append(os.add_dll_directory(folder))
+                    for builtins in _libraries_in(folder, NVRTC_BUILTINS_NAMES) if folder else ():
+                        ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
                     lib = ctypes.CDLL(path)
                     lib.nvrtcGetErrorString.restype = ctypes.c_char_p
                     _nvrtc = lib
@@ -87,7 +110,9 @@ def nvrtc() -> ctypes.CDLL:
                 except OSError as exc:
                     errors.append(f"{path}: {exc}")
             if _nvrtc is None:
-                raise KernelBuildError("NVRTC not found (install a CUDA 13 build of torch); tried: " + "; ".join(errors))
+                raise KernelBuildError("NVRTC not found (install a CUDA 13 build of torch, or set CUDA_HOME to a CUDA 13 "
+                                       "toolkit); " + ("tried: " + "; ".join(errors) if errors else "no libnvrtc / nvrtc64_*.dll "
+                                       "in torch's CUDA wheels, torch/lib, CUDA_HOME, CUDA_PATH or the loader's path"))
         return _nvrtc
 
 

@@ -261,3 +261,31 @@ def test_corrupt_cached_cubin_is_rebuilt_not_loaded(fake_build, damage):
     assert runtime.cached_cubin("sm_100a").startswith(b"\x7fELF fake cubin sm_100a")
     assert len(calls) == 2, "the damaged file was loaded instead of rebuilt"
     assert path.read_bytes() != damaged and runtime.cached_cubin("sm_100a") is not None and len(calls) == 2
+
+
+def test_nvrtc_is_looked_for_where_linux_and_windows_installs_keep_it(tmp_path, monkeypatch):
+    """Linux and Windows layouts of torch's CUDA wheels, torch/lib (Windows CUDA builds of torch), a CUDA 13 toolkit
+    on Windows (bin/x64): found in that order, NVIDIA's .alt builds and the builtins libraries never taken for NVRTC."""
+    site, toolkit = tmp_path / "site", tmp_path / "cuda"
+    files = ["nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cu13/lib/libnvrtc.alt.so.13", "nvidia/cu13/lib/libnvrtc-builtins.so.13.0",
+             "nvidia/cu13/bin/x86_64/nvrtc64_130_0.dll", "nvidia/cu13/bin/x86_64/nvrtc64_130_0.alt.dll",
+             "nvidia/cu13/bin/x86_64/nvrtc-builtins64_130.dll", "torch/lib/nvrtc64_130_0.dll"]
+    for name in files:
+        (site / name).parent.mkdir(parents=True, exist_ok=True)
+        (site / name).write_bytes(b"")
+    (toolkit / "bin" / "x64").mkdir(parents=True)
+    (toolkit / "bin" / "x64" / "nvrtc64_130_0.dll").write_bytes(b"")
+    monkeypatch.setattr(runtime.sys, "path", [str(site)])
+    monkeypatch.setattr(runtime.importlib.util, "find_spec",
+                        lambda name: type("Spec", (), {"submodule_search_locations": [str(site / "torch")]})())
+    monkeypatch.setattr(runtime.ctypes.util, "find_library", lambda name: None)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.setenv("CUDA_PATH", str(toolkit))
+    found = [os.path.relpath(p, tmp_path) for p in runtime._candidate_nvrtc_paths()]
+    assert found[:4] == [os.path.join("site", "nvidia", "cu13", "lib", "libnvrtc.so.13"),
+                         os.path.join("site", "nvidia", "cu13", "bin", "x86_64", "nvrtc64_130_0.dll"),
+                         os.path.join("site", "torch", "lib", "nvrtc64_130_0.dll"),
+                         os.path.join("cuda", "bin", "x64", "nvrtc64_130_0.dll")]
+    assert not [p for p in found if ".alt." in p or "builtins" in p] and len(found) == len(set(found))
+    builtins = runtime._libraries_in(str(site / "nvidia/cu13/bin/x86_64"), runtime.NVRTC_BUILTINS_NAMES)
+    assert [os.path.basename(b) for b in builtins] == ["nvrtc-builtins64_130.dll"]
