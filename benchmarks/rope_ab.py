@@ -1,6 +1,7 @@
 """RMSNorm + RoPE kernel variants (build switches of kernels/h3_rms_rope.cu) side by side on H3's q/k views: every
 variant's output bit-compared with comfy-kitchen's rms_rope_split_half_, GPU time alone and right after a bf16 GEMM
-of the qkv_proj shape that writes the q/k buffer (arms interleaved, CUDA events, median), Nsight Compute per variant.
+of the qkv_proj shape that writes the q/k buffer (arms interleaved, CUDA events, median), the report's in-block
+profiler figure per variant (real H3 blocks), Nsight Compute per variant.
 
 Usage: python benchmarks/rope_ab.py --out rope-ab.json
 """
@@ -106,6 +107,40 @@ def run(ncu_child: bool) -> dict:
     return result
 
 
+def block_profile(rounds: int = 3) -> dict:
+    """The report's profiler figure (the fused arm's kernels other than GEMMs, emulation and attention, of the middle
+    of three real H3 blocks, cut out of a profile of the whole run, per-kernel median of PROFILE_CALLS runs) per
+    variant, variants interleaved; every variant's block output bit-compared with the previous kernel's."""
+    import logging
+
+    from h3_fused_nvfp4.integration import report as rep
+
+    rep.comfy_env.import_comfyui()
+    logging.getLogger("comfy_kitchen.tensor.nvfp4").setLevel(logging.ERROR)  # the emulated-GEMM warning
+    chain = rep.BlockChain(rep.syn.H3_FULL, rep.syn.FULL_TOKENS, torch.device("cuda", 0))
+    chain.arm("fused")
+    result, reference = {}, None
+    for name, defines in VARIANTS.items():
+        ops.EXTRA_DEFINES = defines
+        for _ in range(2):
+            out = chain.run().clone()
+        reference = out if reference is None else reference
+        result[name] = {"block_identical_to_previous": bool(torch.equal(out.view(torch.int16), reference.view(torch.int16))),
+                        "non_gemm_non_attention_ms": [], "rope_ms": []}
+    for _ in range(rounds):
+        for name, defines in VARIANTS.items():
+            ops.EXTRA_DEFINES = defines
+            sec = rep._sections(rep.median_kernels([rep.middle_block_profile(chain) for _ in range(rep.PROFILE_CALLS)]),
+                                None, "fused")
+            result[name]["non_gemm_non_attention_ms"].append(sec["other_boundaries"]["non_gemm_non_attention_ms"])
+            result[name]["rope_ms"].append(sec["other_boundaries"]["rms_rope_total_ms"])
+    ops.EXTRA_DEFINES = ()
+    for r in result.values():
+        r["median_ms"] = round(statistics.median(r["non_gemm_non_attention_ms"]), 4)
+        r["rope_median_ms"] = round(statistics.median(r["rope_ms"]), 4)
+    return result
+
+
 def ncu_table() -> dict:
     cmd = ["ncu", "--csv", "--clock-control", "none", "--profile-from-start", "off",
            "--kernel-name", "regex:spin_kernel|h3_rms_rope",
@@ -144,13 +179,17 @@ def main():
     result = {"command": "python benchmarks/rope_ab.py", "variants": {k: dict(v) for k, v in VARIANTS.items()}}
     result["arms"] = run(False)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+    result["block"] = block_profile()
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     result["ncu"] = ncu_table()
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     for n, r in result["arms"].items():
         k = result["ncu"].get(n, {}) if isinstance(result["ncu"], dict) else {}
         print(f"{n:20s} exact={r['identical_to_comfy_kitchen']} alone {r['alone_median_ms']:.4f} after-GEMM "
               f"{r['after_qkv_gemm_median_ms']:.4f} ncu {k.get('gpu__time_duration.sum', '?')} ns "
-              f"{k.get('smsp__inst_executed.sum', '?')} inst", flush=True)
+              f"{k.get('smsp__inst_executed.sum', '?')} inst; in the block: rope {result['block'][n]['rope_median_ms']:.4f}, "
+              f"all {result['block'][n]['median_ms']:.4f} ms, block exact={result['block'][n]['block_identical_to_previous']}",
+              flush=True)
 
 
 if __name__ == "__main__":
