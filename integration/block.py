@@ -2,7 +2,8 @@
 
 Stock ``DiTBlock.forward`` (comfy/ldm/minimax/model.py) and what runs here instead:
 
-    ada = adaln_proj(t_emb)                               unchanged (ComfyUI's module)
+    ada = adaln_proj(t_emb)                               ComfyUI's module; its silu(t_emb) is the same in every
+                                                             block, so a chain of patched blocks computes it once
     h = _mod_scale_shift(norm1(x), shift, scale, segs)    -> norm statistics (one read of x) + qkv_proj's pack,
                                                              which normalizes and modulates on the fly
     x = _mod_gate(x, gate, attention(h), segs)            -> ComfyUI's Attention sequence (FusedAttention: the
@@ -287,12 +288,39 @@ class ModelState:
 
 class Handoff:
     """What block i's last residual computed for block i + 1: its modulation rows, norm1 statistics and, for a
-    dynamic qkv_proj, the global scale."""
+    dynamic qkv_proj, the global scale; and silu(t_emb), for block i + 2's rows (None where not reused)."""
 
-    def __init__(self, rows, norm: RmsNorm, global_scale: torch.Tensor | None):
+    def __init__(self, rows, norm: RmsNorm, global_scale: torch.Tensor | None, activated_t_emb: torch.Tensor | None):
         self.rows = rows
         self.norm = norm
         self.global_scale = global_scale
+        self.activated_t_emb = activated_t_emb
+
+
+class _ActivationApplied:
+    """An ``AdalnProj`` seen with its input activation already applied: its own ``forward`` then runs on silu(t_emb)
+    computed once for all blocks (every other attribute is the module's)."""
+
+    apply_silu = False
+
+    def __init__(self, adaln):
+        self._adaln = adaln
+
+    def __getattr__(self, name):
+        return getattr(self._adaln, name)
+
+
+def silu_reusable(adaln) -> bool:
+    """Whether ``adaln``'s rows may be computed from a silu(t_emb) shared with other blocks: its forward applies
+    silu (not the curve form), and no hook on the module must see the call."""
+    return getattr(adaln, "apply_silu", None) is True and not (adaln._forward_hooks or adaln._forward_pre_hooks)
+
+
+def adaln_rows(adaln, t_emb: torch.Tensor, activated: torch.Tensor | None):
+    """``adaln(t_emb)``, or with ``activated`` = silu(t_emb) ComfyUI's own ``forward`` on it, its silu switched off."""
+    if activated is None:
+        return adaln(t_emb)
+    return type(adaln).forward(_ActivationApplied(adaln), activated)
 
 
 class FusedDiTBlock:
@@ -456,7 +484,11 @@ class FusedDiTBlock:
         incoming = self._take_handoff(x, t_emb, mod_segments)
         self.counts["fused"] += 1
         self.counts["handoff_in"] += incoming is not None
-        rows = incoming.rows if incoming is not None else block.adaln_proj(t_emb)
+        if incoming is not None:
+            rows, activated = incoming.rows, incoming.activated_t_emb
+        else:
+            activated = torch.nn.functional.silu(t_emb) if silu_reusable(block.adaln_proj) else None
+            rows = adaln_rows(block.adaln_proj, t_emb, activated)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = rows
         index = self.state.index_cache.get(mod_segments, x.shape[0], x.device)
         mod_msa = Modulation(_bf16_table(scale_msa), _bf16_table(shift_msa), index)
@@ -508,15 +540,19 @@ class FusedDiTBlock:
             if reason is None:
                 reason = self.next._fold_norm(x, self.next.block.norm1)
             if reason is None:
-                return self._residual_with_handoff(backend, x, gate_mlp, out, mod_segments, index, t_emb)
+                return self._residual_with_handoff(backend, x, gate_mlp, out, mod_segments, index, t_emb, activated)
             note_fallback(f"{self.name} -> next block hand-over", reason)
         self._residual(backend, x, gate_mlp, out, mod_segments, index, None, None, None)
         return x
 
-    def _residual_with_handoff(self, backend, x, gate, out, mod_segments, index, t_emb):
+    def _residual_with_handoff(self, backend, x, gate, out, mod_segments, index, t_emb, activated):
         nxt = self.next
+        reusable = silu_reusable(nxt.block.adaln_proj)
         with allocation_context():
-            rows = nxt.block.adaln_proj(t_emb)  # depends on t_emb only; block i + 1 uses these rows
+            if activated is None and reusable:
+                activated = torch.nn.functional.silu(t_emb)
+            # t_emb only: block i + 1 uses these rows; silu(t_emb) is passed on even where this module cannot use it
+            rows = adaln_rows(nxt.block.adaln_proj, t_emb, activated if reusable else None)
         mod = Modulation(_bf16_table(rows[1]), _bf16_table(rows[0]), index)
         rstd, scalars = nxt._buffers(x, "norm1")
         qkv_dynamic = nxt.attention.qkv is not None and nxt.attention.qkv.dynamic_scale()
@@ -526,7 +562,7 @@ class FusedDiTBlock:
         if done:
             self.counts["handoff_out"] += 1
             self.state.handoff = (nxt.index, self._handoff_key(x, t_emb, mod_segments),
-                                  Handoff(rows, norm, scalars[0:1] if qkv_dynamic else None))
+                                  Handoff(rows, norm, scalars[0:1] if qkv_dynamic else None, activated))
         return x
 
     def _norm_source(self, backend, x, norm, modulation, name, layer, incoming, modulate):

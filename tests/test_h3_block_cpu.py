@@ -98,6 +98,44 @@ def test_fused_blocks_match_comfyui(variant, per_token):
     assert_fully_fused(patches, len(blocks))
 
 
+def test_silu_of_t_emb_once_per_chain_of_blocks(monkeypatch):
+    """ComfyUI's adaln_proj takes silu(t_emb) in every block; the fused chain takes it once (the hand-over carries it),
+    still through each block's own AdalnProj.forward. A hook on one block's adaln_proj gets its call, and the rows
+    stay ComfyUI's bit for bit."""
+    seed = fresh_seed()
+    blocks = [syn.make_dit_block(seed=seed + i) for i in range(3)]
+    inputs = syn.make_block_inputs(tokens=TOKENS, seed=seed + 7)
+    t_emb = inputs[1]
+    silu = torch.nn.functional.silu
+    calls = []
+
+    def counting_silu(x, *args, **kwargs):
+        if x.shape == t_emb.shape:
+            calls.append(x.data_ptr())
+        return silu(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "silu", counting_silu)
+    stock = run_blocks(blocks, inputs)
+    assert len(calls) == 3
+    calls.clear()
+    with fused(blocks) as patches:
+        result = run_blocks(blocks, inputs)
+    assert_bit_identical(result, stock, f"silu once, seed {seed}")
+    assert len(calls) == 1
+    assert_fully_fused(patches, len(blocks))
+
+    hooked = []
+    handle = blocks[1].adaln_proj.register_forward_hook(lambda module, args, out: hooked.append(args[0].shape))
+    try:
+        calls.clear()
+        with fused(blocks):
+            result = run_blocks(blocks, inputs)
+    finally:
+        handle.remove()
+    assert_bit_identical(result, stock, f"hook on block 1's adaln_proj, seed {seed}")
+    assert hooked == [t_emb.shape] and len(calls) == 2  # block 0's silu, and block 1's own in its hooked forward
+
+
 @pytest.mark.parametrize("scope", patch.SCOPES)
 def test_both_scopes_match(scope):
     seed = fresh_seed()
