@@ -52,8 +52,6 @@ for step in ${STEPS:-tests report}; do
              rc=$?; tail -3 "$OUT/rope.log" ;;
     trade) timeout "$STEP_TIMEOUT" python3 benchmarks/calibration_trade.py --out "$OUT/calibration-trade.json" \
              > "$OUT/trade.log" 2>&1; rc=$?; tail -12 "$OUT/trade.log" ;;
-    rope-ab) timeout "$STEP_TIMEOUT" python3 benchmarks/rope_ab.py --out "$OUT/rope-ab.json" > "$OUT/rope-ab.log" 2>&1
-             rc=$?; tail -6 "$OUT/rope-ab.log" ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
   summary+=("$step: exit $rc, $((SECONDS - start)) s")
