@@ -1,4 +1,4 @@
-"""NVFP4 layouts and the types shared by the CUDA kernels (kernels/), their Python twin (reference/) and the
+"""NVFP4 layouts and the types shared by the CUDA kernels (kernels/), their Python twin (kernels/twin_ops.py) and the
 integration. A leaf module: it imports nothing of this package.
 
 Layouts (must match kernels/nvfp4_common.cuh, comfy-kitchen's quantize_nvfp4 and cuBLASLt's NVFP4 operands):

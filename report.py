@@ -2,7 +2,7 @@
 
     python report.py [--out my-gpu.json] [--dram]
 
-Run it with ComfyUI's Python from this folder's parent ComfyUI (or set COMFYUI_PATH). See integration/report.py.
+Run it with ComfyUI's Python from this folder's parent ComfyUI (or set COMFYUI_PATH). See tools/report.py.
 """
 
 import importlib.util
@@ -25,6 +25,6 @@ def import_pack():
 
 if __name__ == "__main__":
     import_pack()
-    from h3_fused_nvfp4.integration import report
+    from h3_fused_nvfp4.tools import report
 
     sys.exit(report.main())

@@ -27,10 +27,10 @@ import report  # noqa: E402  (the repository's report.py: imports this folder as
 
 report.import_pack()
 
-from h3_fused_nvfp4.integration import comfy_env, synthetic as syn  # noqa: E402
-from h3_fused_nvfp4.integration.report import (  # noqa: E402
+from h3_fused_nvfp4.tools import comfy_env, synthetic as syn  # noqa: E402
+from h3_fused_nvfp4.tools.report import (  # noqa: E402
     HOST_LEAD_CYCLES, MARKER, copy_bandwidth_gbs, device_info, kernel_profile, time_ms, warm_up_gpu)
-from h3_fused_nvfp4.kernels import ops  # noqa: E402
+from h3_fused_nvfp4.kernels import cuda_ops as ops  # noqa: E402
 
 ROWS = sum(syn.FULL_TOKENS)  # 37,810: the 1344x768, 124-frame layout
 WIDTHS = (5376, 7168, 14336)  # out_proj / qkv_proj and fc1 inputs, fc2 input

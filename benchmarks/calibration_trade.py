@@ -25,13 +25,14 @@ import report  # noqa: E402  (the repository's report.py: imports this folder as
 
 report.import_pack()
 
-from h3_fused_nvfp4.integration import calibrate, comfy_env, synthetic as syn  # noqa: E402
-from h3_fused_nvfp4.integration.report import device_info  # noqa: E402
+from h3_fused_nvfp4.core import calibration as calibrate  # noqa: E402
+from h3_fused_nvfp4.tools import comfy_env, synthetic as syn  # noqa: E402
+from h3_fused_nvfp4.tools.report import device_info  # noqa: E402
 
 
 def run_blocks(blocks, inputs, layer_forward) -> None:
     """Run ``blocks`` on ``inputs`` with every NVFP4 layer's forward replaced by ``layer_forward(name, layer)``."""
-    layers = [(f"blocks.{i}.{p}", b.get_submodule(p)) for i, b in enumerate(blocks) for p in syn.QUANTIZED_LINEARS]
+    layers = [(f"blocks.{i}.{p}", b.get_submodule(p)) for i, b in enumerate(blocks) for p in syn.LINEAR_PATHS]
     for name, layer in layers:
         layer.forward = layer_forward(name, layer)
     try:

@@ -11,7 +11,7 @@
 //   q  = cvt.rn.satfinite.e2m1x2(mul.ftz(e, x_i))          software RNE on sm_90 (no e2m1 instruction)
 // On sm_90 the conversion is done two values at a time in bf16x2 arithmetic (see e2m1_magnitude_codes_x2); the
 // rounding argument is spelled out there and tests/test_gpu_arith.py checks it on every fp32 input.
-// The Python twin of this routine is reference/nvfp4.py; keep the two in step.
+// The Python twin of this routine is tests/nvfp4_oracle.py; keep the two in step.
 //
 // Everything else (the elementwise prologues in nvfp4_pack.cu) reproduces PyTorch's own CUDA arithmetic and is
 // compiled WITHOUT fast math: plain IEEE fp32 with denormals, explicit _rn intrinsics so nothing is contracted.
@@ -371,7 +371,7 @@ NVFP4_DEVICE void quantize_block16(const u32 w[8], float g, float rcp_g, u32& sc
     hi = encode8(w + 4, bs.encode);
 }
 
-// ---- swizzled block-scale layout (must match reference/nvfp4.py::swizzled_scale_offset) -------------------
+// ---- swizzled block-scale layout (must match tests/nvfp4_oracle.py::swizzled_scale_offset) -------------------
 // cuBLASLt's 1x16 block-scale layout: 128-row x 4-column tiles of 512 bytes; inside a tile, row r sits at
 // (r % 32) * 16 + (r % 128) / 32 * 4 and column c at c % 4.
 NVFP4_DEVICE u32 swizzled_scale_offset32(u32 row, u32 col, u32 padded_scale_cols) {

@@ -27,6 +27,7 @@ import importlib.util
 import logging
 import os
 import pathlib
+import stat
 import sys
 import tempfile
 import threading
@@ -202,11 +203,69 @@ def cubin_cache_path(arch: str, source: str = SOURCES[0], defines: tuple = ()) -
     return cache_dir() / f"{pathlib.Path(source).stem}-{arch}-{key}.cubin"
 
 
+CUBIN_MAX_BYTES = 64 << 20
+
+
+def read_cache_file(path: pathlib.Path, max_bytes: int) -> bytes | None:
+    """The bytes of the regular file at ``path``, or None: missing, a link, a FIFO or device, larger than
+    ``max_bytes``, or unreadable. Never follows a link, never blocks on a FIFO, never reads past ``max_bytes``."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        if path.is_symlink():
+            log.warning("H3 fused NVFP4: ignoring cache file %s: it is a symbolic link", path)
+            return None
+        fd = os.open(path, flags)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            log.warning("H3 fused NVFP4: ignoring cache file %s: not a regular file", path)
+            return None
+        if info.st_size > max_bytes:
+            log.warning("H3 fused NVFP4: ignoring cache file %s: %d bytes, more than a cache file holds", path,
+                        info.st_size)
+            return None
+        chunks, left = [], max_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        return data if len(data) <= max_bytes else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+_warned_folders: set[str] = set()
+
+
+def warn_if_shared(folder: pathlib.Path) -> None:
+    """Log once when the cache folder (or its parent) can be written by other users: they could hand this process
+    kernels or self-check verdicts."""
+    for candidate in (folder, folder.parent):
+        try:
+            mode = candidate.stat().st_mode
+        except OSError:
+            continue
+        # a parent like /tmp (sticky bit) lets others create names, not replace ours
+        writable_by_others = mode & stat.S_IWOTH and (candidate == folder or not mode & stat.S_ISVTX)
+        if writable_by_others and str(candidate) not in _warned_folders:
+            _warned_folders.add(str(candidate))
+            log.warning("H3 fused NVFP4: the cache folder %s is writable by other users, who could replace the "
+                        "kernels or the self-check verdicts it holds; set H3_FUSED_NVFP4_CACHE to a folder only "
+                        "you can write", candidate)
+
+
 def _read_cached(path: pathlib.Path) -> bytes | None:
     """The cubin stored at ``path`` if its trailer checks out, else None (and the bad file is removed)."""
-    try:
-        data = path.read_bytes()
-    except OSError:
+    warn_if_shared(path.parent)
+    data = read_cache_file(path, CUBIN_MAX_BYTES)
+    if data is None:
         return None
     cubin, trailer = data[:-36], data[-36:]
     if len(data) > 36 and trailer[:4] == CUBIN_TRAILER and hashlib.sha256(cubin).digest() == trailer[4:]:
@@ -401,3 +460,20 @@ def module(device_index: int, source: str = SOURCES[0], defines: tuple = ()) -> 
                 mod = Module(device_index, source, defines)
                 _modules[key] = mod
     return mod
+
+
+def driver_version() -> str:
+    """The driver build (NVML, e.g. "580.159.04"); the CUDA API version where NVML is missing; "none" without one."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        buf = ctypes.create_string_buffer(96)
+        if nvml.nvmlInit_v2() == 0 and nvml.nvmlSystemGetDriverVersion(buf, 96) == 0:
+            return buf.value.decode()
+    except (OSError, AttributeError):
+        pass
+    try:
+        value = ctypes.c_int()
+        driver().cuDriverGetVersion(ctypes.byref(value))
+        return f"cuda {value.value // 1000}.{value.value % 1000 // 10}"
+    except Exception:  # no driver: CPU
+        return "none"

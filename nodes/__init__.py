@@ -1,4 +1,4 @@
-"""ComfyUI nodes of the H3 Fused NVFP4 pack (V3 API). Thin: each ``execute`` calls integration/patch.py.
+"""ComfyUI nodes of the H3 Fused NVFP4 pack (V3 API). Thin: each ``execute`` calls models/h3/.
 
 Node ids are stable (workflows depend on them):
     H3FusedNVFP4Loader          load a diffusion model like UNETLoader and patch its H3 blocks
@@ -11,16 +11,15 @@ Node ids are stable (workflows depend on them):
 from __future__ import annotations
 
 import inspect
-import json
 import logging
-import math
 import os
-import pathlib
 
+import torch
 from comfy_api.latest import ComfyExtension, io, ui
 
-from ..integration import patch
-from ..integration.calibrate import STATISTICS
+from .. import comfy_adapter
+from ..core.calibration import STATISTICS, recorder_of
+from ..models.h3 import checkpoint, patch
 
 log = logging.getLogger("h3_fused_nvfp4")
 
@@ -61,8 +60,6 @@ def _output(model, summary: str) -> io.NodeOutput:
 
 
 def _diffusion_model_options(weight_dtype: str) -> dict:
-    import torch
-
     options = {}
     if weight_dtype == "fp8_e4m3fn":
         options["dtype"] = torch.float8_e4m3fn
@@ -75,19 +72,14 @@ def _diffusion_model_options(weight_dtype: str) -> dict:
 
 
 def load_and_patch(unet_name: str, weight_dtype: str, scope: str):
-    import comfy.sd
-    import folder_paths
-
-    path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-    model = comfy.sd.load_diffusion_model(path, model_options=_diffusion_model_options(weight_dtype))
+    path = comfy_adapter.diffusion_model_path(unet_name)
+    model = comfy_adapter.load_diffusion_model(path, _diffusion_model_options(weight_dtype))
     return patch.apply_fused(model, scope, allow_reference_backend=REFERENCE_ON_CPU)
 
 
 class H3FusedNVFP4Loader(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        import folder_paths
-
         return io.Schema(
             node_id="H3FusedNVFP4Loader",
             display_name="Load H3 Diffusion Model (Fused NVFP4)",
@@ -98,7 +90,7 @@ class H3FusedNVFP4Loader(io.ComfyNode):
                 "kernels. Output is bit-identical to ComfyUI's; other models load unchanged."
             ),
             inputs=[
-                io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models"),
+                io.Combo.Input("unet_name", options=comfy_adapter.diffusion_model_names(),
                                tooltip="Diffusion model file from models/diffusion_models (an NVFP4 H3 checkpoint)."),
                 _input(io.Combo.Input, "weight_dtype", options=WEIGHT_DTYPES, default="default", advanced=True,
                        tooltip="Same as 'Load Diffusion Model': cast non-quantized weights (default keeps them)."),
@@ -183,9 +175,7 @@ class H3FusedNVFP4Calibrate(io.ComfyNode):
 
     @classmethod
     def execute(cls, model) -> io.NodeOutput:
-        from ..integration import calibrate
-
-        clone, summary = calibrate.apply_calibration(model, allow_reference_backend=REFERENCE_ON_CPU)
+        clone, summary = patch.apply_calibration(model, allow_reference_backend=REFERENCE_ON_CPU)
         log.info(summary)
         return _output(clone, summary)
 
@@ -194,62 +184,14 @@ def save_calibrated(model, unet_name: str, filename: str, headroom: float, stati
                     progress=None) -> str:
     """Write models/diffusion_models/<filename>: ``unet_name`` unchanged + the recorded input scales, and the
     statistics as JSON beside it (both or neither). Returns the summary line."""
-    import folder_paths
-
-    from ..integration import calibrate, checkpoint
-    from ..kernels import runtime
-
-    recorder = calibrate.recorder_of(model)
-    if recorder is None or not recorder.layers:
-        raise ValueError("no calibration data: connect the MODEL that went through 'Calibrate H3 NVFP4 Scales' "
-                         "and a sampler (the sampler must run before this node)")
-    never = recorder.missing()
-    if never:
-        raise ValueError(f"{len(never)} NVFP4 layers were never called while recording (e.g. {never[0]}); "
-                         "run the whole sampling with the calibrating model first")
-    source = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-    stats = recorder.statistics()
-    scales = calibrate.input_scales(stats, headroom, statistic)
-    if not filename.endswith((".safetensors", ".sft")):
-        filename += ".safetensors"
-    folder = os.path.dirname(source)  # the models/diffusion_models folder the source was found in
-    dest = os.path.join(folder, os.path.basename(filename))
-    stats_path = pathlib.Path(dest.rsplit(".", 1)[0] + ".calibration.json")
-    if stats_path.exists() and not overwrite:
-        raise ValueError(f"{stats_path} exists; choose another name or enable overwrite")
-    summary = {"source": unet_name, "headroom": headroom, "statistic": statistic}
-    metadata = {"h3_fused_nvfp4.calibration": _json_text(
-        {**summary, "layers": {k: {key: v[key] for key in ("amax", "calls", *calibrate.STATISTICS[1:])}
-                               for k, v in stats.items()}})}
-    report = checkpoint.save_with_input_scales(source, dest, scales, metadata, progress=progress, overwrite=overwrite)
-    try:
-        runtime.atomic_write(stats_path, _json_text({**summary, "layers": stats}, indent=1).encode())
-    except OSError:  # both files or neither
-        os.remove(dest)
-        raise
-    return (f"H3 fused NVFP4: wrote {os.path.basename(dest)} with a static input_scale for {len(scales)} layers "
-            f"({statistic} x {headroom}); statistics in {stats_path.name}; {report['seconds']:.1f} s")
-
-
-def _json_text(value, indent=None) -> str:
-    """Strict JSON: NaN / inf (e.g. a percentile of NaN-only calls) are written as null."""
-    def clean(v):
-        if isinstance(v, float) and not math.isfinite(v):
-            return None
-        if isinstance(v, dict):
-            return {k: clean(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [clean(x) for x in v]
-        return v
-
-    return json.dumps(clean(value), indent=indent, allow_nan=False)
+    source = comfy_adapter.diffusion_model_path(unet_name)
+    return checkpoint.save_calibrated(recorder_of(model), source, unet_name, filename, headroom, statistic, overwrite,
+                                      progress)
 
 
 class H3FusedNVFP4SaveCalibrated(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        import folder_paths
-
         return io.Schema(
             node_id="H3FusedNVFP4SaveCalibrated",
             display_name="Save Calibrated H3 NVFP4",
@@ -264,7 +206,7 @@ class H3FusedNVFP4SaveCalibrated(io.ComfyNode):
                 io.Model.Input("model", tooltip="The calibrating MODEL, after a sampler ran with it."),
                 io.Latent.Input("samples", optional=True,
                                 tooltip="The sampler's output: connect it so this node runs after the sampling."),
-                io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models"),
+                io.Combo.Input("unet_name", options=comfy_adapter.diffusion_model_names(),
                                tooltip="The checkpoint the model was loaded from (its tensors are copied)."),
                 io.String.Input("filename", default="h3_nvfp4_calibrated.safetensors",
                                 tooltip="New file name in models/diffusion_models."),
@@ -283,9 +225,7 @@ class H3FusedNVFP4SaveCalibrated(io.ComfyNode):
     @classmethod
     def execute(cls, model, unet_name, filename, headroom=1.0, statistic="max", overwrite=False,
                 samples=None) -> io.NodeOutput:
-        import comfy.utils
-
-        bar = comfy.utils.ProgressBar(1000)
+        bar = comfy_adapter.progress_bar(1000)
 
         def progress(done, total, name):
             bar.update_absolute(int(1000 * done / max(total, 1)), 1000)

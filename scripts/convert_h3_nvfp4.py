@@ -11,7 +11,7 @@ writes, or a hand-written one); each layer gets ``input_scale = value * headroom
 or the percentile ``--statistic`` names (default: the file's ``statistic``, else max).
 
 Runs with ComfyUI's Python: the ComfyUI used is ``$COMFYUI_PATH``, the one this pack is installed in, or
-``../shared/comfyui`` (integration/comfy_env.py). Exits 1 with a one-line error when it refuses.
+``../shared/comfyui`` (tools/comfy_env.py). Exits 1 with a one-line error when it refuses.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import report  # noqa: E402  (the pack's report.py: imports this folder as the p
 
 def read_calibration(path: str, headroom: float, statistic: str | None) -> tuple[dict[str, float], str]:
     """(layer -> input scale, statistic used) from a calibration file (ValueError naming what is wrong)."""
-    from h3_fused_nvfp4.integration import calibrate
+    from h3_fused_nvfp4.core import calibration as calibrate
 
     try:
         with open(path, encoding="utf-8") as handle:
@@ -84,12 +84,12 @@ def parse_args(argv):
 
 def run(args) -> str:
     report.import_pack()
-    from h3_fused_nvfp4.integration import comfy_env
+    from h3_fused_nvfp4.tools import comfy_env
 
     comfy_env.import_comfyui()
     import torch
 
-    from h3_fused_nvfp4.integration import checkpoint
+    from h3_fused_nvfp4.models.h3 import checkpoint
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     layers = args.layers or checkpoint.DEFAULT_LAYERS

@@ -1,4 +1,4 @@
-"""Headless real ComfyUI for the tests: the ComfyUI that integration/comfy_env.py finds (``COMFYUI_PATH``, the
+"""Headless real ComfyUI for the tests: the ComfyUI that tools/comfy_env.py finds (``COMFYUI_PATH``, the
 ComfyUI this pack is installed in, or ``../shared/comfyui``), imported in-process, CPU mode without a GPU.
 
 * :func:`comfy` - import it once and return handles (skips the test if no ComfyUI with MiniMax H3 is found);
@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 import pytest
 import torch
 
-from h3_fused_nvfp4.integration import comfy_env, synthetic as syn
+from h3_fused_nvfp4.tools import comfy_env, synthetic as syn
 from parity import selfcheck_mode
 
 HARNESS_MODEL_NODE_ID = "H3Harness_ModelSource"

@@ -1,7 +1,7 @@
 """Test setup: import this repository as the package ``h3_fused_nvfp4``, find the real ComfyUI the tests run.
 
 ComfyUI imports a custom node folder under whatever name the folder has; the tests pin one name so that the
-package's relative imports resolve the same way outside ComfyUI. Which ComfyUI the tests use (integration/
+package's relative imports resolve the same way outside ComfyUI. Which ComfyUI the tests use (tools/
 comfy_env.py: ``COMFYUI_PATH``, the ComfyUI this folder is installed in, ``../shared/comfyui``) is printed in
 pytest's header.
 """
@@ -50,7 +50,7 @@ from comfy_harness import (  # noqa: E402,F401  (fixtures)
 
 
 def _comfyui_line() -> str:
-    from h3_fused_nvfp4.integration import comfy_env
+    from h3_fused_nvfp4.tools import comfy_env
 
     try:
         location = comfy_env.find_comfyui()
@@ -72,3 +72,13 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: seconds of pip and file copying; runs by default and in CI")
     logging.getLogger("comfy_kitchen.tensor.nvfp4").setLevel(logging.ERROR)
+
+
+@pytest.fixture(autouse=True)
+def fresh_forward_plans():
+    """Forward plans cache a device's decisions; a test that swaps a backend or a verdict starts and ends clean."""
+    from h3_fused_nvfp4.core import plan
+
+    plan.forget_plans()
+    yield
+    plan.forget_plans()

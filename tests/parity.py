@@ -51,7 +51,7 @@ def comfy_pack(h: torch.Tensor, scale: torch.Tensor | None = None):
 
 def fused_pack(x: torch.Tensor, **kwargs):
     """ops.pack_nvfp4 into a poisoned buffer (every byte the kernel leaves unwritten shows as a difference)."""
-    from h3_fused_nvfp4.kernels import ops
+    from h3_fused_nvfp4.kernels import cuda_ops as ops
 
     k = x.shape[1] // 2 if kwargs.get("swiglu") else x.shape[1]
     out = torch.full((ops.packed_buffer_bytes(x.shape[0], k),), POISON, dtype=torch.uint8, device=x.device)
@@ -74,18 +74,17 @@ def segments_and_index(rows: int, table_rows: int, device="cuda", per_token: boo
     if per_token:
         a, b, _ = segments[-1]
         segments[-1] = (a, b, torch.randint(0, table_rows, (b - a,), device=device))
-    index = torch.empty(rows, dtype=torch.int32)
-    for a, b, r in segments:
-        index[a:b] = r.cpu().to(torch.int32) if isinstance(r, torch.Tensor) else r
-    return segments, index.to(device)
+    from h3_fused_nvfp4.models.h3.modulation import ModulationIndexCache
+
+    return segments, ModulationIndexCache().get(segments, rows, torch.device(device))
 
 
 def _selfcheck_modules():
-    """Every loaded copy of integration/selfcheck.py (ComfyUI imports the pack under its folder path, the tests as
+    """Every loaded copy of core/verdicts.py (ComfyUI imports the pack under its folder path, the tests as
     h3_fused_nvfp4: each copy keeps its own verdicts)."""
     import sys
 
-    return [m for name, m in list(sys.modules.items()) if name.endswith("integration.selfcheck") and m is not None]
+    return [m for name, m in list(sys.modules.items()) if name.endswith("core.verdicts") and m is not None]
 
 
 @contextlib.contextmanager
@@ -93,18 +92,18 @@ def selfcheck_mode(value: str):
     """Run with H3_FUSED_NVFP4_SELFCHECK=value and fresh in-memory verdicts in every copy of the pack."""
     import os
 
-    from h3_fused_nvfp4.integration import selfcheck
+    from h3_fused_nvfp4.core import verdicts
 
-    old = os.environ.get(selfcheck.SELFCHECK_ENV)
-    os.environ[selfcheck.SELFCHECK_ENV] = value
+    old = os.environ.get(verdicts.SELFCHECK_ENV)
+    os.environ[verdicts.SELFCHECK_ENV] = value
     for module in _selfcheck_modules():
         module.forget_verdicts()
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(selfcheck.SELFCHECK_ENV, None)
+            os.environ.pop(verdicts.SELFCHECK_ENV, None)
         else:
-            os.environ[selfcheck.SELFCHECK_ENV] = old
+            os.environ[verdicts.SELFCHECK_ENV] = old
         for module in _selfcheck_modules():
             module.forget_verdicts()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import comfy_harness as ch
-from h3_fused_nvfp4.integration import calibrate
+from h3_fused_nvfp4.core import calibration as calibrate
 from h3_fused_nvfp4.layout import GLOBAL_SCALE_DIVISOR
 from parity import assert_bit_identical
 from comfy_harness import NUM_LAYERS, REFINER_LAYERS, UNET_NAME
@@ -47,7 +47,7 @@ def test_recorded_amax_is_the_same_on_both_paths(pack, model_file, clean_models)
         prompt = calibrate_graph(path, f"unused-{path}.safetensors")
         run = ch.run_prompt({k: v for k, v in prompt.items() if k != "5"}, outputs=["4"])
         run.raise_for_status()
-        recorder = pack.submodule("integration.calibrate").recorder_of(run.output("3"))  # the nodes' module copy
+        recorder = pack.submodule("core.calibration").recorder_of(run.output("3"))  # the nodes' module copy
         assert recorder is not None and len(recorder.layers) == LAYERS
         recorded[path] = recorder.statistics()
         clean_models.unload_all_models()

@@ -1,4 +1,4 @@
-"""integration/checkpoint.py and scripts/convert_h3_nvfp4.py against the real ComfyUI (CPU): conversion of tiny
+"""models/h3/checkpoint.py and scripts/convert_h3_nvfp4.py against the real ComfyUI (CPU): conversion of tiny
 bf16 and fp8_scaled MiniMax H3 checkpoints to NVFP4, static input scales, and every refusal leaving no file."""
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import comfy_harness as ch
-from h3_fused_nvfp4.integration import checkpoint, synthetic
-from h3_fused_nvfp4.layout import GLOBAL_SCALE_DIVISOR
+from h3_fused_nvfp4.core import safetensors_io
+from h3_fused_nvfp4.models.h3 import checkpoint
+from h3_fused_nvfp4.tools import synthetic
+from h3_fused_nvfp4.layout import GLOBAL_SCALE_DIVISOR, NVFP4_LAYOUT
 
 pytestmark = ch.requires_comfyui
 
 PREFIXED = "model.diffusion_model."
-PROJECTIONS = synthetic.QUANTIZED_LINEARS
+PROJECTIONS = synthetic.LINEAR_PATHS
 BLOCK_LAYERS = [f"blocks.{i}.{p}" for i in range(2) for p in PROJECTIONS]
 REFINER_LAYERS = [f"token_refiner.blocks.{i}.{p}" for i in range(2) for p in PROJECTIONS]
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -109,7 +111,7 @@ def assert_aligned(path):
         assert f.tell() % 8 == 0
     for name, entry in header.items():
         if name != "__metadata__":
-            itemsize = checkpoint._ITEMSIZE[entry["dtype"]]
+            itemsize = safetensors_io.ITEMSIZE[entry["dtype"]]
             assert entry["data_offsets"][0] % itemsize == 0, name
 
 
@@ -151,7 +153,7 @@ def assert_converted(src_path, out_path, report, prefix: str, converted: list[st
     result_model = load_in_comfyui(out_path)
     new_keys = set()
     for layer in converted:
-        expected = QuantizedTensor.from_float(comfy_bf16_weight(source_model, layer), synthetic.NVFP4_LAYOUT)
+        expected = QuantizedTensor.from_float(comfy_bf16_weight(source_model, layer), NVFP4_LAYOUT)
         key = prefix + layer
         assert torch.equal(raw(out[f"{key}.weight"]), raw(expected._qdata)), layer
         assert torch.equal(raw(out[f"{key}.weight_scale"]), raw(expected._params.block_scale)), layer
@@ -282,7 +284,7 @@ def sources(tmp_path_factory, comfyui):
 
 
 def _fail_on_third_write(monkeypatch):
-    real = checkpoint._write_bytes
+    real = safetensors_io._write_bytes
     calls = []
 
     def write_bytes(handle, data):
@@ -291,7 +293,7 @@ def _fail_on_third_write(monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         real(handle, data)
 
-    monkeypatch.setattr(checkpoint, "_write_bytes", write_bytes)
+    monkeypatch.setattr(safetensors_io, "_write_bytes", write_bytes)
 
 
 def _no_free_space(monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import requires_cuda
-from h3_fused_nvfp4.integration import synthetic as syn
+from h3_fused_nvfp4.tools import synthetic as syn
 from parity import assert_bit_identical, fresh_seed
 from test_h3_block_cpu import (assert_block_check_passes, assert_fully_fused, fused, linears, recorded_both_ways,
                                run_blocks)
@@ -20,7 +20,7 @@ pytestmark = [requires_cuda, pytest.mark.usefixtures("comfyui")]
 VARIANTS = {
     "dynamic": dict(),
     "static-mix": dict(static_layers=("attn.qkv_proj", "mlp.fc2")),
-    "all-static": dict(static_layers=syn.QUANTIZED_LINEARS),
+    "all-static": dict(static_layers=syn.LINEAR_PATHS),
     "curve-form": dict(curve=True),
     "gate-compress": dict(gate_compress=True),
 }

@@ -31,7 +31,7 @@ def _rope_table(s, rot=96):
 def test_matches_comfy_kitchen(rows, heads, case):
     import comfy_kitchen as ck
 
-    from h3_fused_nvfp4.kernels import ops
+    from h3_fused_nvfp4.kernels import cuda_ops as ops
 
     seed = fresh_seed()
     inner = heads * 128
@@ -57,7 +57,7 @@ def test_matches_comfy_kitchen(rows, heads, case):
 
 def test_unaligned_views_are_refused_with_a_reason():
     """16-byte copies need aligned q/k rows; anything else is left to comfy-kitchen (the block falls back)."""
-    from h3_fused_nvfp4.kernels import ops
+    from h3_fused_nvfp4.kernels import cuda_ops as ops
 
     qkv = torch.zeros(8, 3 * 7168 + 2, device="cuda", dtype=torch.bfloat16)
     freqs = _rope_table(8)

@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from conftest import requires_cuda
-from h3_fused_nvfp4.integration import patch, selfcheck, synthetic as syn
+from h3_fused_nvfp4.core import verdicts
+from h3_fused_nvfp4.models.h3 import patch
+from h3_fused_nvfp4.models.h3.patch import PROBE_SETS
+from h3_fused_nvfp4.tools import synthetic as syn
 from parity import assert_bit_identical, selfcheck_mode
 from test_h3_block_cpu import TOKENS, run_blocks
 
@@ -18,16 +21,16 @@ CUDA = torch.device("cuda", 0)
 
 
 def _ops():
-    from h3_fused_nvfp4.kernels import ops
+    from h3_fused_nvfp4.kernels import cuda_ops as ops
 
     return ops
 
 
 def test_kernel_selfcheck_passes_well_under_a_second():
     ops = _ops()
-    selfcheck.run_kernel_checks(ops, CUDA)  # kernels built and loaded
+    verdicts.run_probes(ops, CUDA, PROBE_SETS)  # kernels built and loaded
     t0 = time.perf_counter()
-    results = selfcheck.run_kernel_checks(ops, CUDA)
+    results = verdicts.run_probes(ops, CUDA, PROBE_SETS)
     seconds = time.perf_counter() - t0
     failed = {n: r.detail for n, r in results.items() if r.ok is False}
     assert not failed, failed
@@ -41,7 +44,7 @@ def test_planted_wrong_kernel_fails_and_the_model_falls_back(monkeypatch, tmp_pa
     ops = _ops()
     monkeypatch.setenv("H3_FUSED_NVFP4_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(ops, "EXTRA_DEFINES", (("NVFP4_PLANT_FAULT", 1),))
-    results = selfcheck.run_kernel_checks(ops, CUDA)
+    results = verdicts.run_probes(ops, CUDA, PROBE_SETS)
     failed = {n for n, r in results.items() if r.ok is False}
     # Every op that rounds to bf16 sees it; the packs round only their global scale, which the global_scale probe
     # checks with scales that round up and down (a fault there turns every dynamic pack off).

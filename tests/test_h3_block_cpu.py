@@ -1,7 +1,7 @@
 """ComfyUI's real MiniMax H3 ``DiTBlock`` (comfy/ldm/minimax/model.py with ``comfy.ops.mixed_precision_ops``,
 NVFP4 weights from ComfyUI's own ``QuantizedTensor.from_float``) against the fused block, on the CPU.
 
-Off the GPU the fused path runs reference/fused_ops.py, the Python twin of the kernels: these tests prove that the
+Off the GPU the fused path runs kernels/twin_ops.py, the Python twin of the kernels: these tests prove that the
 fused block's wiring (normalized and modulated sources, the residual's statistics for the next projection, the
 hand-over between blocks, the fallbacks) computes ComfyUI's block bit for bit, in every H3 variant. They run
 with the block self-check switched off, so a change of ComfyUI's block (say, shift applied before scale) makes
@@ -15,7 +15,9 @@ import contextlib
 import pytest
 import torch
 
-from h3_fused_nvfp4.integration import calibrate, patch, synthetic as syn
+from h3_fused_nvfp4.core import calibration as calibrate
+from h3_fused_nvfp4.models.h3 import patch
+from h3_fused_nvfp4.tools import synthetic as syn
 from parity import assert_bit_identical, fresh_seed
 
 pytestmark = pytest.mark.usefixtures("comfyui")
@@ -76,7 +78,7 @@ def assert_fully_fused(patches, blocks: int, *, calls: int = 1, handoff: bool = 
 VARIANTS = {
     "dynamic": dict(),
     "static-mix": dict(static_layers=("attn.out_proj", "mlp.fc1")),
-    "all-static": dict(static_layers=syn.QUANTIZED_LINEARS),
+    "all-static": dict(static_layers=syn.LINEAR_PATHS),
     "curve-form": dict(curve=True),
     "gate-compress": dict(gate_compress=True),
 }
@@ -232,7 +234,7 @@ def recorded_both_ways(blocks, inputs, block_check=False):
     """Calibration statistics of ``blocks`` on ``inputs``: recorded on ComfyUI's path, then on the fused path
     (``block_check``: the fused call is the one that runs the block self-check)."""
     stock_rec, fused_rec = calibrate.CalibrationRecorder(), calibrate.CalibrationRecorder()
-    layers = [(f"blocks.{i}.{path}", b.get_submodule(path)) for i, b in enumerate(blocks) for path in syn.QUANTIZED_LINEARS]
+    layers = [(f"blocks.{i}.{path}", b.get_submodule(path)) for i, b in enumerate(blocks) for path in syn.LINEAR_PATHS]
     for name, layer in layers:
         layer.forward = calibrate.RecordingForward(layer, name, stock_rec)
     try:

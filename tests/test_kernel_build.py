@@ -18,7 +18,7 @@ import subprocess
 
 import pytest
 
-from h3_fused_nvfp4.kernels import ops, runtime
+from h3_fused_nvfp4.kernels import cuda_ops as ops, runtime
 
 # The entry points kernels/ops.py looks up by name (every source's entry points are checked; these must exist).
 PACK_SOURCE = "nvfp4_pack.cu"

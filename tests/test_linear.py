@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import cuda_available
-from h3_fused_nvfp4.integration import synthetic as syn
+from h3_fused_nvfp4.tools import synthetic as syn
 from parity import assert_bit_identical, fresh_seed
 
 pytestmark = pytest.mark.usefixtures("comfyui")
@@ -23,7 +23,7 @@ ROWS = {"cuda": (37810, 1001), "cpu": (310, 47)}
 @pytest.mark.parametrize("device,in_f,out_f", SHAPES)
 @pytest.mark.parametrize("static,bias,many_rows", [(None, False, True), (0.02, True, True), (None, True, False)])
 def test_fused_linear_bit_identical(device, in_f, out_f, static, bias, many_rows):
-    from h3_fused_nvfp4.integration.linear import FusedNVFP4Linear
+    from h3_fused_nvfp4.core.linear import FusedNVFP4Linear
 
     seed = fresh_seed()
     rows = ROWS[device][0 if many_rows else 1]

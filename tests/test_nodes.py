@@ -17,7 +17,9 @@ import pytest
 import torch
 
 import comfy_harness as ch
-from h3_fused_nvfp4.integration import patch as patch_mod, synthetic as syn
+from h3_fused_nvfp4.core.linear import FusedNVFP4Linear
+from h3_fused_nvfp4.models.h3 import patch as patch_mod
+from h3_fused_nvfp4.tools import synthetic as syn
 from comfy_harness import NUM_LAYERS, REFINER_LAYERS, UNET_NAME
 from parity import assert_bit_identical
 
@@ -213,7 +215,7 @@ def test_cpu_without_reference_backend_is_left_unpatched(comfyui, caplog):
 
 def test_kernel_build_failure_leaves_the_model_unpatched(pack, comfyui, monkeypatch, caplog):
     """The kernels fail to build for the (pretended) GPU: Patch returns the model unpatched and says why once."""
-    pack_patch = pack.submodule("integration.patch")
+    pack_patch = pack.submodule("models.h3.patch")
     source = syn.model_patcher_for(syn.BlockHolder([syn.make_dit_block(seed=51)]), "cpu")
     source.load_device = torch.device("cuda", 0)
     monkeypatch.setattr(pack_patch, "_device_description", lambda device: "GPU Fake sm_121")
@@ -229,16 +231,17 @@ def test_kernel_build_failure_leaves_the_model_unpatched(pack, comfyui, monkeypa
 
 
 def test_linear_build_failure_falls_back_and_logs_once(comfyui, monkeypatch, caplog):
-    from h3_fused_nvfp4.integration import linear as linear_mod
+    from h3_fused_nvfp4.core import plan as plan_mod
     from h3_fused_nvfp4.kernels import runtime
 
     layer = syn.make_nvfp4_linear(256, 768, seed=61)
-    fused = linear_mod.FusedNVFP4Linear(layer, "blocks.0.attn.qkv_proj (build failure test)")
+    fused = FusedNVFP4Linear(layer, "blocks.0.attn.qkv_proj (build failure test)")
 
-    def broken_backend(x):
+    def broken_backend(device):
         raise runtime.KernelBuildError("no kernels for sm_75 (forced)")
 
-    monkeypatch.setattr(linear_mod, "backend_for", broken_backend)
+    monkeypatch.setattr(plan_mod, "backend_for", broken_backend)
+
     caplog.set_level(logging.INFO, logger=LOGGER)
     x = torch.randn(37, 256, generator=torch.Generator().manual_seed(62)).to(torch.bfloat16)
     with torch.inference_mode():
@@ -248,7 +251,7 @@ def test_linear_build_failure_falls_back_and_logs_once(comfyui, monkeypatch, cap
     assert_bit_identical(second, stock, "second call")
     assert fused.calls_fused == 0 and fused.calls_stock == 2
     lines = [r.getMessage() for r in pack_records(caplog) if "build failure test" in r.getMessage()]
-    assert len(lines) == 1 and "kernel build failed: no kernels for sm_75 (forced)" in lines[0]
+    assert len(lines) == 1 and "kernels unavailable: no kernels for sm_75 (forced)" in lines[0]
 
 
 def test_lora_weight_wrapper_takes_comfyui_path_for_that_layer(pack, model_file, clean_models, comfyui):

@@ -151,7 +151,7 @@ def test_tool_comfy(pyproject):
 
 
 def _tested_comfyui_version() -> str:
-    from h3_fused_nvfp4.integration import comfy_env
+    from h3_fused_nvfp4.tools import comfy_env
 
     location = comfy_env.find_comfyui()
     if location is None:

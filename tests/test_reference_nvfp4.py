@@ -1,4 +1,4 @@
-"""The Python reference packer (reference/nvfp4.py) on the CPU.
+"""The Python reference packer (tests/nvfp4_oracle.py) on the CPU.
 
 1. Against comfy-kitchen's EAGER backend (``comfy_kitchen.backends.eager.quantization.quantize_nvfp4``, the
    backend ComfyUI uses without CUDA) on fresh random data at the H3 widths: qdata, block scales and the global
@@ -27,7 +27,7 @@ import struct
 import pytest
 import torch
 
-from h3_fused_nvfp4.reference import nvfp4 as ref
+import nvfp4_oracle as ref
 
 WIDTHS = (5376, 7168, 14336)  # H3: hidden size, attention out / fc2 input halves, fc2 input
 ROWS = (1, 15, 16, 17, 127, 128, 129, 300)

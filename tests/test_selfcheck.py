@@ -1,4 +1,4 @@
-"""The first-use self-check (integration/selfcheck.py) on the CPU, with the Python twin of the kernels.
+"""The first-use self-check (core/verdicts.py, core/probes.py, models/h3/probes.py) on the CPU, with the Python twin of the kernels.
 
 Planted faults: a wrong twin op (the modulation's shift applied before the scale) fails the kernel check and the
 model falls back for that op with the message; a changed ComfyUI block (its op order, through a monkeypatched
@@ -15,8 +15,11 @@ import time
 import pytest
 import torch
 
-from h3_fused_nvfp4.integration import patch, selfcheck, synthetic as syn
-from h3_fused_nvfp4.reference import fused_ops
+from h3_fused_nvfp4.core import plan, verdicts
+from h3_fused_nvfp4.kernels import twin_ops as fused_ops
+from h3_fused_nvfp4.models.h3 import patch
+from h3_fused_nvfp4.models.h3.patch import PROBE_SETS
+from h3_fused_nvfp4.tools import synthetic as syn
 from parity import assert_bit_identical, selfcheck_mode
 from test_h3_block_cpu import TOKENS, linears, run_blocks
 
@@ -68,9 +71,9 @@ def changed_block_forward(self, x, t_emb, mod_segments, rope_freqs, transformer_
 
 def test_every_probe_passes_on_the_twin_quickly():
     t0 = time.perf_counter()
-    results = selfcheck.run_kernel_checks(fused_ops, CPU)
+    results = verdicts.run_probes(fused_ops, CPU, PROBE_SETS)
     seconds = time.perf_counter() - t0
-    assert set(results) == set(selfcheck.KERNEL_OPS)
+    assert set(results) == set(plan.OPS) - {"block"}
     assert {n for n, r in results.items() if r.ok is False} == set(), {n: r.detail for n, r in results.items()}
     assert results["linear"].ok is None and "no FP4 GEMM" in results["linear"].detail
     assert seconds < 5.0, f"the self-check took {seconds:.2f} s on the CPU"
@@ -78,7 +81,7 @@ def test_every_probe_passes_on_the_twin_quickly():
 
 def test_planted_wrong_op_fails_the_check_and_the_model_falls_back(monkeypatch, caplog):
     monkeypatch.setattr(fused_ops, "modulate", swapped_modulate)
-    results = selfcheck.run_kernel_checks(fused_ops, CPU)
+    results = verdicts.run_probes(fused_ops, CPU, PROBE_SETS)
     failed = {n for n, r in results.items() if r.ok is False}
     assert {"pack_modulate", "rms_norm", "pack_norm"} <= failed and "pack" not in failed, failed
     detail = results["pack_modulate"].detail
@@ -115,39 +118,40 @@ def test_changed_comfyui_block_is_caught_by_the_block_check(monkeypatch):
     assert_bit_identical(result, stock, "the call that found the difference returns ComfyUI's result")
     assert_bit_identical(run_patched(clone, blocks, inputs), stock, "later calls run ComfyUI's path")
     # The next patch of a model in this environment knows it at once, from the cached verdict.
-    selfcheck.forget_verdicts()
+    verdicts.forget_verdicts()
     _, again = patched_model([syn.make_dit_block(seed=17)])
     assert not again.applied and "block check FAILED" in again.reason
 
 
 def test_verdict_is_cached_and_rechecked_when_a_key_part_changes(monkeypatch, own_cache):
-    first = selfcheck.kernel_verdict(CPU, fused_ops)
+    first = verdicts.kernel_verdict(CPU, PROBE_SETS, fused_ops)
     assert first.origin == "ran" and not first.failed()
     assert list((own_cache / "selfcheck").glob("*.json"))
-    selfcheck.forget_verdicts()
+    verdicts.forget_verdicts()
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("the cached verdict should have been used")
 
-    monkeypatch.setattr(selfcheck, "run_kernel_checks", must_not_run)
-    cached = selfcheck.kernel_verdict(CPU, fused_ops)
+    monkeypatch.setattr(verdicts, "run_probes", must_not_run)
+    cached = verdicts.kernel_verdict(CPU, PROBE_SETS, fused_ops)
     assert cached.origin == "cached" and cached.ops.keys() == first.ops.keys()
-    for owner, name in ((selfcheck.comfy_env, "comfyui_version"),  # another ComfyUI
-                        (selfcheck, "pack_source_digest"),         # an edited or updated pack
-                        (selfcheck, "block_source_hash")):         # changed ComfyUI H3 / NVFP4 code
-        selfcheck.forget_verdicts()
+    changed = PROBE_SETS[1].__class__(**{**PROBE_SETS[1].__dict__, "comfy_source": lambda: "changed"})
+    for owner, name, value in ((verdicts.comfy_adapter, "comfyui_version", lambda: "changed"),  # another ComfyUI
+                               (verdicts, "pack_source_digest", lambda: "changed"),  # an edited or updated pack
+                               (patch, "PROBE_SETS", (PROBE_SETS[0], changed))):  # changed ComfyUI H3 code
+        verdicts.forget_verdicts()
         with monkeypatch.context() as m:
-            m.setattr(owner, name, lambda: "changed")
+            m.setattr(owner, name, value)
             with pytest.raises(AssertionError, match="cached verdict should have been used"):
-                selfcheck.kernel_verdict(CPU, fused_ops)
+                verdicts.kernel_verdict(CPU, patch.PROBE_SETS, fused_ops)
 
 
 def test_force_reruns_and_skip_checks_nothing(monkeypatch):
-    selfcheck.kernel_verdict(CPU, fused_ops)
+    verdicts.kernel_verdict(CPU, PROBE_SETS, fused_ops)
     with selfcheck_mode("force"):
-        assert selfcheck.kernel_verdict(CPU, fused_ops).origin == "ran"
+        assert verdicts.kernel_verdict(CPU, PROBE_SETS, fused_ops).origin == "ran"
     with selfcheck_mode("skip"):
-        verdict = selfcheck.kernel_verdict(CPU, fused_ops)
+        verdict = verdicts.kernel_verdict(CPU, PROBE_SETS, fused_ops)
         assert verdict.origin == "skipped" and "skipped" in verdict.summary()
 
 
@@ -156,5 +160,5 @@ def test_a_check_that_raises_is_a_failed_check_not_an_exception(monkeypatch):
         raise RuntimeError("kernel exploded (planted)")
 
     monkeypatch.setattr(fused_ops, "gated_residual_", broken)
-    results = selfcheck.run_kernel_checks(fused_ops, CPU)
+    results = verdicts.run_probes(fused_ops, CPU, PROBE_SETS)
     assert results["gated_residual"].ok is False and "kernel exploded (planted)" in results["gated_residual"].detail

@@ -28,7 +28,7 @@ How ComfyUI reads the layers, which this module follows by calling ComfyUI rathe
   to bf16 first), so an fp8 source converted on the CPU differs in the last bit of some weights from one converted
   on CUDA; convert fp8 sources on CUDA to quantize the weight of a GPU ComfyUI.
 
-ComfyUI must be importable: inside ComfyUI it is; standalone call ``comfy_env.import_comfyui()`` first.
+ComfyUI must be importable: inside ComfyUI it is; standalone call ``tools/comfy_env.py import_comfyui()`` first.
 """
 
 from __future__ import annotations
@@ -38,178 +38,32 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import re
-import secrets
-import shutil
-import struct
 import time
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
+from safetensors import safe_open
 
-from ..layout import NVFP4_LAYOUT, packed_shapes
-from . import synthetic
-
-Progress = Callable[[int, int, str], None]
+from ... import comfy_adapter
+from ...core import calibration
+from ...core.nvfp4_weights import comfy_quant_tag, nvfp4_checkpoint_entries
+from ...core.safetensors_io import (ITEMSIZE, CheckpointRefused, PlannedTensor, Progress, check_metadata,
+                                    file_order, write_safetensors)
+from ...kernels import runtime
+from ...layout import NVFP4_LAYOUT, packed_shapes
+from .structure import LINEAR_PATHS
 
 NVFP4_FORMAT = "nvfp4"
 FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")  # fp8_scaled: fp8 weight, per-tensor fp32 weight_scale
 LEGACY_FP8_MARKER = "scaled_fp8"
 QUANT_METADATA_KEY = "_quantization_metadata"
-DEFAULT_LAYERS = r"blocks\.\d+\.(" + "|".join(map(re.escape, synthetic.QUANTIZED_LINEARS)) + ")"
+DEFAULT_LAYERS = r"blocks\.\d+\.(" + "|".join(map(re.escape, LINEAR_PATHS)) + ")"
 # A converted Linear's old storage; its bias is copied as it is.
 _REPLACED_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "comfy_quant", "scale_weight",
                       "scale_input")
 _PLAIN_WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2")  # ComfyUI casts these to compute dtype
-
-_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "C64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
-             "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
-_DTYPE_NAMES = {getattr(torch, attr): name for attr, name in (
-    ("float64", "F64"), ("int64", "I64"), ("uint64", "U64"), ("complex64", "C64"), ("float32", "F32"),
-    ("int32", "I32"), ("uint32", "U32"), ("float16", "F16"), ("bfloat16", "BF16"), ("int16", "I16"),
-    ("uint16", "U16"), ("int8", "I8"), ("uint8", "U8"), ("bool", "BOOL"), ("float8_e4m3fn", "F8_E4M3"),
-    ("float8_e5m2", "F8_E5M2"), ("float8_e8m0fnu", "F8_E8M0")) if hasattr(torch, attr)}  # older torch lacks some
-
-
-class CheckpointRefused(ValueError):
-    """The request cannot be carried out as asked; nothing was written."""
-
-
-# ---- streaming safetensors writer --------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class PlannedTensor:
-    """One tensor of a file to write: its header entry, and how to make its data when its turn comes."""
-    name: str
-    dtype: str  # safetensors dtype name: "BF16", "F8_E4M3", ...
-    shape: tuple[int, ...]
-    make: Callable[[], torch.Tensor]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
-
-
-def _write_bytes(handle, data) -> None:
-    """Every byte of a written file goes through here."""
-    handle.write(data)
-
-
-def _tensor_bytes(tensor: torch.Tensor, planned: PlannedTensor) -> memoryview:
-    made = (_DTYPE_NAMES.get(tensor.dtype), tuple(tensor.shape))
-    if made != (planned.dtype, planned.shape):
-        raise RuntimeError(f"{planned.name}: made {made[0]} {list(made[1])}, the header says "
-                           f"{planned.dtype} {list(planned.shape)}")
-    return memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def _header_bytes(tensors: Sequence[PlannedTensor], metadata: Mapping[str, str]) -> bytes:
-    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-    offset = 0
-    for t in tensors:
-        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors' own writer keeps it
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def _check_metadata(metadata: Mapping[str, str]) -> None:
-    bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
-    if bad:
-        raise CheckpointRefused(f"safetensors metadata maps str to str; not so for {bad[:3]}")
-
-
-def _check_destination(dest: str, overwrite: bool) -> str:
-    folder = os.path.dirname(dest)
-    if not os.path.isdir(folder):
-        raise CheckpointRefused(f"destination folder {folder} does not exist")
-    if not dest.lower().endswith((".safetensors", ".sft")):
-        raise CheckpointRefused(f"{dest}: ComfyUI reads a checkpoint as safetensors only when its name ends with "
-                                ".safetensors or .sft")
-    if os.path.exists(dest) and not overwrite:
-        raise CheckpointRefused(f"{dest} already exists (pass overwrite=True / --overwrite to replace it)")
-    return folder
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _fsync_folder(folder: str) -> None:
-    """Makes the rename itself durable (POSIX; Windows cannot open a folder)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_safetensors(dest_path, tensors: Sequence[PlannedTensor], metadata: Mapping[str, str] | None = None, *,
-                      progress: Progress | None = None, overwrite: bool = False) -> int:
-    """Write ``tensors`` in this order as a safetensors file at ``dest_path`` atomically; returns its size.
-
-    Each tensor's ``make()`` is called when its turn comes, so only one tensor's data is held at a time. Refuses
-    (:class:`CheckpointRefused`) an existing destination unless ``overwrite``, and a folder without room for the
-    whole file. ``progress(done_bytes, total_bytes, name)`` is called after each tensor."""
-    dest = os.path.abspath(os.fspath(dest_path))
-    metadata = dict(metadata or {})
-    _check_metadata(metadata)
-    names = [t.name for t in tensors]
-    if len(set(names)) != len(names):
-        raise CheckpointRefused("two tensors of the planned file have the same name")
-    folder = _check_destination(dest, overwrite)
-    header = _header_bytes(tensors, metadata)
-    data_bytes = sum(t.nbytes for t in tensors)
-    file_bytes = len(header) + data_bytes
-    free = shutil.disk_usage(folder).free
-    if free < file_bytes:  # an overwritten file's space only comes back after the rename
-        raise CheckpointRefused(f"not enough free disk space in {folder}: the checkpoint needs "
-                                f"{file_bytes / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free")
-    # Hidden and not named *.safetensors, so ComfyUI never lists a file being written; O_EXCL and the umask-
-    # honouring mode of a normal file (mkstemp would make it readable by its owner only).
-    tmp = os.path.join(folder, f".{os.path.basename(dest)}.{secrets.token_hex(4)}.partial")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            _write_bytes(handle, header)
-            done = 0
-            for planned in tensors:
-                _write_bytes(handle, _tensor_bytes(planned.make(), planned))
-                done += planned.nbytes
-                if progress is not None:
-                    progress(done, data_bytes, planned.name)
-            handle.flush()
-            os.fsync(handle.fileno())
-        if os.path.exists(dest) and not overwrite:  # appeared while we wrote
-            raise CheckpointRefused(f"{dest} already exists (pass overwrite=True / --overwrite to replace it)")
-        os.replace(tmp, dest)
-    except BaseException:
-        _remove_quietly(tmp)
-        raise
-    _fsync_folder(folder)
-    return file_bytes
-
-
-def _file_order(single: Iterable[PlannedTensor], groups: Sequence[Sequence[PlannedTensor]]) -> list[PlannedTensor]:
-    """8- and 4-byte tensors, then the groups, then 2- and 1-byte tensors, by name within each.
-
-    Every tensor then starts at a multiple of its element size, as safetensors' own writer keeps them (ComfyUI's
-    mmap loader views the bytes in place); a group (one converted layer: fp32 scalars, then bytes, a multiple of
-    4 in all) is written in one piece, so one layer's quantization is held at a time."""
-    by_size = sorted(single, key=lambda t: (-_ITEMSIZE[t.dtype], t.name))
-    wide = [t for t in by_size if _ITEMSIZE[t.dtype] >= 4]
-    narrow = [t for t in by_size if _ITEMSIZE[t.dtype] < 4]
-    return wide + [t for group in groups for t in group] + narrow
-
 
 # ---- what a checkpoint holds -------------------------------------------------------------------------------
 
@@ -242,8 +96,6 @@ class CheckpointInfo:
 
 
 def _open(path: str):
-    from safetensors import safe_open
-
     try:
         return safe_open(path, framework="pt", device="cpu")
     except Exception as exc:  # the library's errors carry no common type
@@ -251,9 +103,7 @@ def _open(path: str):
 
 
 def _h3_prefix(path: str, names: Sequence[str]) -> str:
-    import comfy.model_detection
-
-    prefix = comfy.model_detection.unet_prefix_from_state_dict(names)
+    prefix = comfy_adapter.model_detection().unet_prefix_from_state_dict(names)
     if not any(name.startswith(prefix) for name in names):  # load_diffusion_model then keeps the keys as they are
         prefix = ""
     if f"{prefix}video_patch_proj.weight" not in names or f"{prefix}audio_patch_proj.weight" not in names:
@@ -290,7 +140,7 @@ def _inspect(handle, path: str) -> CheckpointInfo:
     for name in names:
         piece = handle.get_slice(name)
         dtype = piece.get_dtype()
-        if dtype not in _ITEMSIZE:
+        if dtype not in ITEMSIZE:
             raise CheckpointRefused(f"{path}: tensor {name} has dtype {dtype}, which this writer does not handle")
         tensors[name] = (dtype, tuple(piece.get_shape()))
     metadata = dict(handle.metadata() or {})
@@ -389,7 +239,7 @@ def save_with_input_scales(source_path, dest_path, input_scales: Mapping[str, fl
     dest = os.path.abspath(os.fspath(dest_path))
     _refuse_same_file(source, dest)
     metadata = dict(metadata or {})
-    _check_metadata(metadata)
+    check_metadata(metadata)
     if not input_scales:
         raise CheckpointRefused("no input scales given")
     with _open(source) as handle:
@@ -399,7 +249,7 @@ def save_with_input_scales(source_path, dest_path, input_scales: Mapping[str, fl
         replaced = {f"{layer}.input_scale" for layer in scales} & info.tensors.keys()
         planned = [_copied(handle, info, name) for name in info.tensors if name not in replaced]
         planned += [_scalar(f"{layer}.input_scale", scale) for layer, scale in scales.items()]
-        size = write_safetensors(dest, _file_order(planned, []), {**info.metadata, **metadata},
+        size = write_safetensors(dest, file_order(planned, []), {**info.metadata, **metadata},
                                  progress=progress, overwrite=overwrite)
     return {"dest": dest, "input_scales": {info.relative(layer): scale for layer, scale in scales.items()},
             "replaced": sorted(info.relative(name[:-len(".input_scale")]) for name in replaced),
@@ -422,10 +272,8 @@ class _NVFP4Layer:
         self._entries: dict[str, torch.Tensor] | None = None
 
     def planned(self) -> list[PlannedTensor]:
-        from comfy.quant_ops import get_layout_class
-
         rows, cols = self.info.tensors[f"{self.layer}.weight"][1]
-        rows16, cols16 = get_layout_class(NVFP4_LAYOUT).get_padded_shape((rows, cols))
+        rows16, cols16 = comfy_adapter.quant_ops().get_layout_class(NVFP4_LAYOUT).get_padded_shape((rows, cols))
         shapes = [("weight_scale_2", "F32", ())]
         if self.input_scale is not None:
             shapes.append(("input_scale", "F32", ()))
@@ -436,7 +284,7 @@ class _NVFP4Layer:
 
     def _take(self, suffix: str) -> torch.Tensor:
         if self._entries is None:
-            entries = synthetic.nvfp4_checkpoint_entries(self.layer, self._bf16_weight(), self.input_scale)
+            entries = nvfp4_checkpoint_entries(self.layer, self._bf16_weight(), self.input_scale)
             del entries[f"{self.layer}.comfy_quant"]  # written with the other 1-byte tensors
             self._entries = {k: v.to("cpu") for k, v in entries.items()}
         return self._entries.pop(f"{self.layer}.{suffix}")  # dropped once written
@@ -445,14 +293,13 @@ class _NVFP4Layer:
         weight = self.handle.get_tensor(f"{self.layer}.weight")
         if self.format is None:  # ComfyUI casts an unquantized weight to its compute dtype
             return weight.to(device=self.device, dtype=torch.bfloat16)
-        from comfy.quant_ops import QUANT_ALGOS, QuantizedTensor, get_layout_class
-
-        algo = QUANT_ALGOS[self.format]
+        quant_ops = comfy_adapter.quant_ops()
+        algo = quant_ops.QUANT_ALGOS[self.format]
         layout = algo["comfy_tensor_layout"]
         scale = self.handle.get_tensor(_fp8_scale_key(self.info, self.layer)).to(self.device)
-        params = get_layout_class(layout).Params(scale=scale, orig_dtype=torch.bfloat16,
+        params = quant_ops.get_layout_class(layout).Params(scale=scale, orig_dtype=torch.bfloat16,
                                                  orig_shape=tuple(weight.shape))
-        quantized = QuantizedTensor(weight.to(device=self.device, dtype=algo["storage_t"]), layout, params)
+        quantized = quant_ops.QuantizedTensor(weight.to(device=self.device, dtype=algo["storage_t"]), layout, params)
         return quantized.dequantize()  # the device's arithmetic (module docstring)
 
 
@@ -516,7 +363,7 @@ def convert_to_nvfp4(source_path, dest_path, *, layers: str | Iterable[str] = DE
     source = os.path.abspath(os.fspath(source_path))
     dest = os.path.abspath(os.fspath(dest_path))
     _refuse_same_file(source, dest)
-    _check_metadata(metadata or {})
+    check_metadata(metadata or {})
     device = _device(device)
     with _open(source) as handle:
         info = _inspect(handle, source)
@@ -532,12 +379,12 @@ def convert_to_nvfp4(source_path, dest_path, *, layers: str | Iterable[str] = DE
         if info.legacy_marker is not None and not remaining_legacy:
             dropped.add(info.legacy_marker)
 
-        tag = synthetic.comfy_quant_tag(NVFP4_FORMAT)
+        tag = comfy_quant_tag(NVFP4_FORMAT)
         single = [_copied(handle, info, name) for name in info.tensors if name not in dropped]
         single += [PlannedTensor(f"{layer}.comfy_quant", "U8", tuple(tag.shape), lambda: tag) for layer in chosen]
         single += [_scalar(f"{layer}.input_scale", scale) for layer, scale in scales.items() if layer not in chosen]
         groups = [_NVFP4Layer(handle, info, layer, device, scales.get(layer)).planned() for layer in chosen]
-        planned = _file_order(single, groups)
+        planned = file_order(single, groups)
         size = write_safetensors(dest, planned, {**_quant_metadata_after(info, chosen), **(metadata or {})},
                                  progress=progress, overwrite=overwrite)
     source_formats = dict(collections.Counter(info.describe(layer) for layer in chosen))
@@ -546,3 +393,54 @@ def convert_to_nvfp4(source_path, dest_path, *, layers: str | Iterable[str] = DE
             "input_scales": {info.relative(layer): scale for layer, scale in scales.items()},
             "dropped": sorted(dropped), "tensors": len(planned), "bytes": size,
             "seconds": time.monotonic() - started, "device": str(device)}
+
+
+# ---- the Save Calibrated node's files ----------------------------------------------------------------------
+
+def _json_text(value, indent=None) -> str:
+    """Strict JSON: NaN / inf (e.g. a percentile of NaN-only calls) are written as null."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return v
+
+    return json.dumps(clean(value), indent=indent, allow_nan=False)
+
+
+def save_calibrated(recorder, source: str, unet_name: str, filename: str, headroom: float, statistic: str,
+                    overwrite: bool, progress: Progress | None = None) -> str:
+    """Write ``filename`` beside ``source`` (the checkpoint ``unet_name`` the model was loaded from): its tensors
+    unchanged + the recorded input scales, and the statistics as JSON beside it (both or neither). Returns the
+    summary line."""
+    if recorder is None or not recorder.layers:
+        raise ValueError("no calibration data: connect the MODEL that went through 'Calibrate H3 NVFP4 Scales' "
+                         "and a sampler (the sampler must run before this node)")
+    never = recorder.missing()
+    if never:
+        raise ValueError(f"{len(never)} NVFP4 layers were never called while recording (e.g. {never[0]}); "
+                         "run the whole sampling with the calibrating model first")
+    stats = recorder.statistics()
+    scales = calibration.input_scales(stats, headroom, statistic)
+    if not filename.endswith((".safetensors", ".sft")):
+        filename += ".safetensors"
+    folder = os.path.dirname(source)  # the models/diffusion_models folder the source was found in
+    dest = os.path.join(folder, os.path.basename(filename))
+    stats_path = pathlib.Path(dest.rsplit(".", 1)[0] + ".calibration.json")
+    if stats_path.exists() and not overwrite:
+        raise ValueError(f"{stats_path} exists; choose another name or enable overwrite")
+    summary = {"source": unet_name, "headroom": headroom, "statistic": statistic}
+    metadata = {"h3_fused_nvfp4.calibration": _json_text(
+        {**summary, "layers": {k: {key: v[key] for key in ("amax", "calls", *calibration.STATISTICS[1:])}
+                               for k, v in stats.items()}})}
+    report = save_with_input_scales(source, dest, scales, metadata, progress=progress, overwrite=overwrite)
+    try:
+        runtime.atomic_write(stats_path, _json_text({**summary, "layers": stats}, indent=1).encode())
+    except OSError:  # both files or neither
+        os.remove(dest)
+        raise
+    return (f"H3 fused NVFP4: wrote {os.path.basename(dest)} with a static input_scale for {len(scales)} layers "
+            f"({statistic} x {headroom}); statistics in {stats_path.name}; {report['seconds']:.1f} s")

@@ -14,35 +14,35 @@ Patched keys (``diffusion_model.`` prefix):
 
 Matching is structural (attribute names and Linear shapes of ComfyUI's comfy/ldm/minimax/model.py, and the module
 helpers the fused block calls for its fallbacks); only NVFP4-quantized Linears are patched. Before patching, the
-kernels are built and self-checked on the load device (integration/selfcheck.py); an op that fails runs ComfyUI's
+kernels are built and self-checked on the load device (core/verdicts.py with the probes of core/probes.py and models/h3/probes.py); an op that fails runs ComfyUI's
 path, and the first patched block checks the whole block on the first forward.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels import ops, runtime
-from . import selfcheck
-from .block import FusedAttention, FusedDiTBlock, FusedSwigluMLP, ModelState
-from .linear import FusedNVFP4Linear, gemm_mode, is_nvfp4_linear
+from ... import comfy_adapter
+from ...core import verdicts
+from ...core.calibration import attach_recorder
+from ...core.linear import FusedNVFP4Linear, gemm_mode, is_nvfp4_linear
+from ...core.probes import LINEAR_PROBES
+from ...kernels import cuda_ops, runtime
+from .attention import FusedAttention
+from .block import FusedDiTBlock, ModelState
+from .mlp import FusedSwigluMLP
+from .probes import H3_PROBES
+from .structure import LINEAR_PATHS, submodule, find_h3_blocks, nvfp4_layers
 
 log = logging.getLogger("h3_fused_nvfp4")
 
 STATE_KEY = "h3_fused_nvfp4"  # transformer_options entry describing what this pack did to a clone
 SCOPES = ("block", "linears")
 PATCH_TYPES = (FusedNVFP4Linear, FusedSwigluMLP, FusedDiTBlock, FusedAttention)
-
-
-@dataclass
-class H3Block:
-    prefix: str       # attribute path below the diffusion model, e.g. "blocks.3"
-    module: torch.nn.Module
-    kind: str         # "dit" or "refiner"
+PROBE_SETS = (LINEAR_PROBES, H3_PROBES)  # what the self-check runs before this model's kernels are used
 
 
 @dataclass
@@ -72,86 +72,6 @@ class PatchReport:
         )
 
 
-# ---- structural matching -----------------------------------------------------------------------------------
-
-def _linear_shape(module) -> tuple[int, int] | None:
-    if module is None:
-        return None
-    if hasattr(module, "in_features") and hasattr(module, "out_features"):
-        return int(module.in_features), int(module.out_features)
-    return None
-
-
-def _attention_matches(attn, hidden: int) -> bool:
-    heads, head_dim = getattr(attn, "heads", None), getattr(attn, "head_dim", None)
-    if not isinstance(heads, int) or not isinstance(head_dim, int):
-        return False
-    inner = heads * head_dim
-    return (
-        _linear_shape(getattr(attn, "qkv_proj", None)) == (hidden, 3 * inner)
-        and _linear_shape(getattr(attn, "out_proj", None)) == (inner, hidden)
-        and hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
-    )
-
-
-def _mlp_matches(mlp, hidden: int) -> bool:
-    fc1, fc2 = _linear_shape(getattr(mlp, "fc1", None)), _linear_shape(getattr(mlp, "fc2", None))
-    return fc1 is not None and fc2 is not None and fc1[0] == hidden and fc1[1] == 2 * fc2[0] and fc2[1] == hidden
-
-
-def _hidden_of(block) -> int | None:
-    qkv = _linear_shape(getattr(getattr(block, "attn", None), "qkv_proj", None))
-    return qkv[0] if qkv else None
-
-
-def block_kind(block) -> str | None:
-    """"dit" for an H3 DiTBlock, "refiner" for a token-refiner block, None otherwise."""
-    module = sys.modules.get(type(block).__module__)
-    if not all(hasattr(module, helper) for helper in ("_mod_scale_shift", "_mod_gate")):
-        return None  # not ComfyUI's H3 module (the fused block falls back to its helpers)
-    hidden = _hidden_of(block)
-    if hidden is None or not (hasattr(block, "norm1") and hasattr(block, "norm2")):
-        return None
-    if not (_attention_matches(block.attn, hidden) and _mlp_matches(getattr(block, "mlp", None), hidden)):
-        return None
-    adaln = getattr(block, "adaln_proj", None)
-    if adaln is None:
-        return "refiner"
-    shape = _linear_shape(getattr(adaln, "linear", None))
-    expand, modalities = getattr(adaln, "expand", None), getattr(adaln, "modalities", None)
-    if shape and expand == 6 and modalities == 3 and shape[1] == 6 * hidden * 3:
-        return "dit"
-    return None
-
-
-def find_h3_blocks(diffusion_model) -> list[H3Block]:
-    found = []
-    for prefix, container in (("blocks", getattr(diffusion_model, "blocks", None)),
-                              ("token_refiner.blocks", getattr(getattr(diffusion_model, "token_refiner", None), "blocks", None))):
-        if container is None:
-            continue
-        for i, block in enumerate(container):
-            kind = block_kind(block)
-            if kind == "dit" and prefix == "blocks" or kind == "refiner" and prefix != "blocks":
-                found.append(H3Block(f"{prefix}.{i}", block, kind))
-    return found
-
-
-LINEAR_PATHS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
-
-
-def _get(module, path: str):
-    for part in path.split("."):
-        module = getattr(module, part)
-    return module
-
-
-def nvfp4_layers(diffusion_model) -> dict[str, torch.nn.Module]:
-    """Name (below ``diffusion_model.``) -> module of every NVFP4 Linear of the matched H3 blocks."""
-    return {f"{blk.prefix}.{path}": layer for blk in find_h3_blocks(diffusion_model) for path in LINEAR_PATHS
-            if is_nvfp4_linear(layer := _get(blk.module, path))}
-
-
 # ---- patching ----------------------------------------------------------------------------------------------
 
 def _device_description(device: torch.device) -> str:
@@ -176,7 +96,7 @@ def build_patches(diffusion_model, scope: str = "block") -> tuple[dict[str, obje
     for blk in blocks:
         fused = {}
         for path in LINEAR_PATHS:
-            layer = _get(blk.module, path)
+            layer = submodule(blk.module, path)
             if is_nvfp4_linear(layer):
                 name = f"{blk.prefix}.{path}"
                 fused[path] = FusedNVFP4Linear(layer, name)
@@ -218,22 +138,12 @@ def kernel_status(device: torch.device) -> tuple[bool, str]:
     if device.type != "cuda":
         return True, "not needed (Python reference backend)"
     try:
-        mod = ops.module_for(device)
-        ops.module_for(device, "h3_rms_rope.cu")
-        flavour = " (Blackwell path, emulated instructions)" if ops.emulating_blackwell() else ""
+        modules = [cuda_ops.module_for(device, source) for source in runtime.SOURCES]
+        mod = modules[0]
+        flavour = " (Blackwell path, emulated instructions)" if cuda_ops.emulating_blackwell() else ""
         return True, f"ready for {mod.arch}{flavour} (NVRTC {'.'.join(map(str, runtime.nvrtc_version()))})"
     except runtime.KernelBuildError as exc:
         return False, f"build failed: {exc}"
-
-
-def _executing_node_id():
-    try:
-        from comfy_execution.utils import get_executing_context
-
-        context = get_executing_context()
-        return getattr(context, "node_id", None)
-    except Exception:  # older ComfyUI, or not inside a graph
-        return None
 
 
 def our_patch_keys(model_patcher) -> list[str]:
@@ -277,14 +187,14 @@ def apply_fused(model_patcher, scope: str = "block", *, allow_reference_backend:
             if not ok:
                 report.applied, report.reason = False, f"kernels unavailable on {report.device}: {report.kernels}"
     if report.applied:
-        verdict = selfcheck.kernel_verdict(device)
+        verdict = verdicts.kernel_verdict(device, PROBE_SETS)
         report.selfcheck = verdict.summary()
         state = next((p.state for p in patches.values() if isinstance(p, FusedDiTBlock)), None)
         if verdict.block == "failed":
             report.applied, report.reason = False, report.selfcheck
         elif state is not None:
             state.block_check = "passed" if verdict.block == "passed" else "pending"
-            state.node_id = _executing_node_id()
+            state.node_id = comfy_adapter.executing_node_id()
     if report.applied:
         if gemm_mode(device) == "nvfp4":
             report.gemm = "cuBLASLt NVFP4"
@@ -315,3 +225,21 @@ def patched_scope(model_patcher, default: str = "block") -> str:
     """The scope the model was patched with (kept by the Toggle unless it is told otherwise)."""
     scope = patch_state(model_patcher).get("scope", default)
     return scope if scope in SCOPES else default
+
+
+def apply_calibration(model_patcher, allow_reference_backend: bool = False):
+    """``(clone, summary)``: a clone of ``model_patcher`` that records every H3 NVFP4 Linear's input amax. A fused
+    model stays fused (its patches are rebuilt for the clone, with recording); a stock one stays stock."""
+    fused = patch_state(model_patcher).get("mode") == "fused"
+    if fused:
+        clone, report = apply_fused(model_patcher, patched_scope(model_patcher),
+                                    allow_reference_backend=allow_reference_backend)
+        fused = report.applied
+    else:
+        clone = model_patcher.clone()
+    layers = nvfp4_layers(clone.get_model_object("diffusion_model"))
+    attach_recorder(clone, layers)
+    if not layers:
+        return clone, "H3 fused NVFP4 calibration: no NVFP4 Linear in MiniMax H3 blocks to record"
+    return clone, (f"H3 fused NVFP4 calibration: recording the input amax of {len(layers)} NVFP4 layers on the "
+                   f"{'fused' if fused else 'stock'} path; run sampling, then save with 'Save Calibrated H3 NVFP4'")

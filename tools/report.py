@@ -1,7 +1,7 @@
 """The report: the self-check, verbosely, then ComfyUI's real H3 block profiled stock vs fused in one process.
 
 Run it with ComfyUI's own Python (no pytest): ``python <pack>/report.py [--out FILE] [--dram]``. It uses the
-ComfyUI it is installed in, or ``COMFYUI_PATH``, or ``../shared/comfyui`` (integration/comfy_env.py).
+ComfyUI it is installed in, or ``COMFYUI_PATH``, or ``../shared/comfyui`` (tools/comfy_env.py).
 
 On a GPU: three consecutive real ``DiTBlock``s at full H3 width (37,810 tokens of the 1344x768, 124-frame layout,
 random NVFP4 weights made by ComfyUI's own quantizer); the middle one is measured, so the fused arm shows its steady
@@ -21,6 +21,7 @@ import argparse
 import csv
 import io
 import json
+import logging
 import os
 import pathlib
 import platform
@@ -31,10 +32,20 @@ import sys
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from . import comfy_env, synthetic as syn
-from ..layout import NVFP4_LAYOUT
-from .selfcheck import package_version
+from .. import __version__, comfy_adapter
+from ..core import verdicts
+from ..core.linear import gemm_mode
+from ..core.probes import first_difference
+from ..core.verdicts import package_version
+from ..kernels import cuda_ops
+from ..kernels.backend import backend_for
+from ..models.h3 import patch
+from ..models.h3.patch import PROBE_SETS
+from ..models.h3.structure import LINEAR_PATHS
+from . import comfy_env
+from . import synthetic as syn
 
 PACK_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEED = 440420
@@ -106,8 +117,6 @@ def label_kernels(names: list[str]) -> list[str]:
 # ---- device measurements -------------------------------------------------------------------------------------
 
 def _pack_version() -> str:
-    from .. import __version__
-
     return __version__
 
 
@@ -165,8 +174,6 @@ def time_ms(fn, reps: int = 30, warmup: int = 5) -> list[float]:
 
 def kernel_profile(fn) -> list[dict]:
     """The CUDA kernels one call of ``fn`` launches, in order: name, category, GPU ms (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
@@ -217,8 +224,6 @@ class BlockChain:
     """Three consecutive real DiTBlocks and their inputs; ``arm("comfy" | "fused")`` switches the patches."""
 
     def __init__(self, dims, tokens, device, static_layers=(), seed=SEED):
-        from . import patch
-
         self.blocks = [syn.make_dit_block(dims, seed=seed + i, device=device, static_layers=static_layers)
                        for i in range(3)]
         self.inputs = syn.make_block_inputs(dims, tokens, seed=seed + 7, device=device, n_timesteps=2)
@@ -304,17 +309,12 @@ def _sections(kernels: list[dict], block_ms: float | None, arm: str) -> dict:
 
 def pack_validation(device, rows: int = 37810) -> dict:
     """The fused pack against ComfyUI's ``QuantizedTensor.from_float`` at H3's three input widths."""
-    from comfy.quant_ops import QuantizedTensor
-
-    from ..kernels import ops
-    from .selfcheck import first_difference
-
     gen = torch.Generator(device=device).manual_seed(SEED)
     out = {"validated_feature_widths": [], "rows": rows}
     for k in (5376, 7168, 14336):
         x = (torch.randn((rows, k), generator=gen, device=device) * 3).to(torch.bfloat16)
-        qt = QuantizedTensor.from_float(x, NVFP4_LAYOUT)
-        packed = ops.pack_nvfp4(x)
+        qt = comfy_adapter.quantize_like_comfy(x)
+        packed = cuda_ops.pack_nvfp4(x)
         out[str(k)] = {
             "qdata_difference_count": int((packed.qdata != qt._qdata).sum()),
             "block_scale_difference_count": int((packed.block_scales.view(torch.uint8)
@@ -330,11 +330,9 @@ def _both(comfy: dict, fused: dict, key: str) -> dict:
 
 
 def profile_blocks(args, device) -> dict:
-    from .linear import gemm_mode
-
     dims = syn.H3_FULL if device.type == "cuda" else syn.H3_SMALL
     tokens = syn.FULL_TOKENS if device.type == "cuda" else (19, 46, 245)
-    static = tuple(syn.QUANTIZED_LINEARS) if args.all_static else tuple(args.static_layers or ())
+    static = tuple(LINEAR_PATHS) if args.all_static else tuple(args.static_layers or ())
     chain = BlockChain(dims, tokens, device, static_layers=static)
     rows = chain.inputs[0].shape[0]
     # Both arms twice before comparing: ComfyUI's emulated GEMM path gives other bits on its very first call.
@@ -417,7 +415,7 @@ def _ncu_child(args) -> int:
     """Under ncu: one warmed middle block per arm between cudaProfilerStart/Stop, each window opened by a spin
     kernel (the marker the parent splits the kernel list at)."""
     device = torch.device("cuda", 0)
-    static = tuple(syn.QUANTIZED_LINEARS) if args.all_static else tuple(args.static_layers or ())
+    static = tuple(LINEAR_PATHS) if args.all_static else tuple(args.static_layers or ())
     chain = BlockChain(syn.H3_FULL, syn.FULL_TOKENS, device, static_layers=static)
     for arm in ("comfy", "fused", "comfy", "fused"):
         chain.arm(arm)
@@ -532,19 +530,14 @@ def main(argv=None) -> int:
 
     comfy = comfy_env.import_comfyui()
     # comfy-kitchen warns on every emulated FP4 GEMM (no FP4 tensor cores): the JSON names the emulation instead.
-    import logging
-
     logging.getLogger("comfy_kitchen.tensor.nvfp4").setLevel(logging.ERROR)
     if args.ncu_child:
         return _ncu_child(args)
-    from . import selfcheck
-    from .linear import backend_for, gemm_mode
-
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     print(f"H3 fused NVFP4 report: ComfyUI {comfy.version} at {comfy.location.root} ({comfy.location.how}); "
           f"device {device_info(device).get('name')}; torch {torch.__version__}")
-    os.environ.setdefault(selfcheck.SELFCHECK_ENV, "force")
-    verdict = selfcheck.kernel_verdict(device, backend_for(torch.empty(0, device=device)))
+    os.environ.setdefault(verdicts.SELFCHECK_ENV, "force")
+    verdict = verdicts.kernel_verdict(device, PROBE_SETS, backend_for(device))
     for name, r in verdict.ops.items():
         state = {True: "ok", False: "FAILED", None: "n/a"}[r.ok]
         print(f"  self-check {name:15s} {state:6s} {r.ms:7.1f} ms  {r.detail}")

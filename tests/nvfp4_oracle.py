@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import BLOCK, E4M3_MAX, FP4_MAX, GLOBAL_SCALE_DIVISOR, packed_shapes, roundup, swizzled_scale_offset
+from h3_fused_nvfp4.layout import BLOCK, E4M3_MAX, FP4_MAX, GLOBAL_SCALE_DIVISOR, packed_shapes, roundup, swizzled_scale_offset
 
-__all__ = ["GLOBAL_SCALE_DIVISOR", "dynamic_global_scale", "e2m1_codes", "gemm_alpha", "pack_nibbles", "packed_shapes",
+__all__ = ["GLOBAL_SCALE_DIVISOR", "dynamic_global_scale", "e2m1_codes", "pack_nibbles", "packed_shapes",
            "quantize_blocks", "quantize_nvfp4", "rcp_sensitive_blocks", "roundup", "swizzled_scale_offset",
            "unswizzle_scales"]
 
@@ -195,8 +195,3 @@ def unswizzle_scales(block_scales: torch.Tensor, rows: int, cols: int) -> torch.
     r = torch.arange(rows).unsqueeze(1).expand(rows, cols // BLOCK)
     c = torch.arange(cols // BLOCK).unsqueeze(0).expand(rows, cols // BLOCK)
     return flat[swizzled_scale_offset(r, c, scale_cols)]
-
-
-def gemm_alpha(activation_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
-    """The cuBLASLt NVFP4 GEMM's alpha: activation global scale x weight global scale, one fp32 rounding."""
-    return activation_scale.float() * weight_scale_2.float()

@@ -18,75 +18,16 @@ operands and run a bf16 ``F.linear``. Logs and benchmark JSON call it emulation.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
 
 import torch
 
-from ..kernels import ops, runtime
+from .. import comfy_adapter
+from ..comfy_adapter import allocation_context, layer_weights
+from ..kernels.backend import KernelBuildError
 from ..layout import NVFP4_LAYOUT, PackedActivation
-from ..reference import fused_ops as reference_ops
-from . import selfcheck
-
-log = logging.getLogger("h3_fused_nvfp4")
-
-# ---- one log line per fallback reason ----------------------------------------------------------------------
-
-_noted: set[tuple[str, str]] = set()
-_noted_lock = threading.Lock()
-
-
-def note_fallback(where: str, reason: str, level: int = logging.INFO) -> None:
-    """Log once per (place, reason) that ``where`` runs ComfyUI's path, and why."""
-    with _noted_lock:
-        if (where, reason) in _noted:
-            return
-        _noted.add((where, reason))
-    log.log(level, "H3 fused NVFP4: %s uses ComfyUI's path: %s", where, reason)
-
-
-def noted_fallbacks() -> list[tuple[str, str]]:
-    with _noted_lock:
-        return sorted(_noted)
-
-
-# ---- ComfyUI / comfy-kitchen adapters ----------------------------------------------------------------------
-
-def _comfy_ops():
-    try:
-        import comfy.ops
-
-        return comfy.ops
-    except ImportError:
-        return None
-
-
-def allocation_context():
-    """Allocations made here stay outside ComfyUI's recorded H3 allocation graph, like comfy-kitchen's own."""
-    try:
-        import comfy.model_prefetch
-
-        return comfy.model_prefetch.pause_malloc_graph()
-    except (ImportError, AttributeError):
-        return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def layer_weights(layer, x: torch.Tensor):
-    """Yield (weight, bias) the way ComfyUI's NVFP4 Linear obtains them (offload, LoRA, dynamic VRAM)."""
-    comfy_ops = _comfy_ops()
-    if comfy_ops is None or not isinstance(layer, getattr(comfy_ops, "CastWeightBiasOp", ())):
-        yield layer.weight, layer.bias  # not a ComfyUI op: its weights are used as they are
-    elif hasattr(comfy_ops, "CastBiasWeightContext"):
-        with comfy_ops.CastBiasWeightContext(layer, x, offloadable=True, compute_dtype=x.dtype, want_requant=True) as wb:
-            yield wb
-    else:
-        weight, bias, state = comfy_ops.cast_bias_weight(layer, x, offloadable=True)
-        try:
-            yield weight, bias
-        finally:
-            comfy_ops.uncast_bias_weight(layer, weight, bias, state)
+from .fallbacks import note_fallback
+from .plan import ForwardPlan, plan_for
 
 
 def is_nvfp4_weight(weight) -> bool:
@@ -106,26 +47,14 @@ def gemm_mode(device: torch.device) -> str:
     return "nvfp4" if torch.cuda.get_device_capability(device)[0] >= 10 else "emulated"
 
 
-def backend_for(x: torch.Tensor):
-    """The fused-op implementation for this tensor: the CUDA kernels, or their Python twin off the GPU.
-
-    Raises ``runtime.KernelBuildError`` if the kernels cannot be built for this GPU."""
-    if x.is_cuda:
-        ops.module_for(x.device)
-        return ops
-    return reference_ops
-
-
 def nvfp4_gemm(packed: PackedActivation, weight, bias: torch.Tensor | None, out_features: int,
                out_dtype: torch.dtype) -> torch.Tensor:
     """GEMM of a packed activation with an NVFP4 QuantizedTensor weight, sliced to [M, N] like the stock path
     (whose output dtype is the activation's)."""
-    import comfy_kitchen as ck
-
     params = weight._params
     if gemm_mode(packed.qdata.device) == "nvfp4":
         try:
-            out = ck.scaled_mm_nvfp4(
+            out = comfy_adapter.scaled_mm_nvfp4(
                 packed.qdata, weight._qdata, tensor_scale_a=packed.global_scale, tensor_scale_b=params.scale,
                 block_scale_a=packed.block_scales, block_scale_b=params.block_scale, bias=bias,
                 out_dtype=out_dtype, alpha=packed.alpha,
@@ -134,7 +63,7 @@ def nvfp4_gemm(packed: PackedActivation, weight, bias: torch.Tensor | None, out_
         except (RuntimeError, TypeError) as exc:  # comfy-kitchen's dispatch falls back the same way
             note_fallback("NVFP4 GEMM", f"cuBLASLt failed ({exc}); dequantizing like comfy-kitchen does",
                           logging.WARNING)
-    activation = ck.dequantize_nvfp4(packed.qdata, packed.global_scale, packed.block_scales, out_dtype)
+    activation = comfy_adapter.dequantize_nvfp4(packed.qdata, packed.global_scale, packed.block_scales, out_dtype)
     activation = activation[: packed.rows, : packed.cols]
     return torch.nn.functional.linear(activation, weight.dequantize(), bias)
 
@@ -155,7 +84,7 @@ class FusedNVFP4Linear:
         self._static_alpha: dict[tuple, torch.Tensor] = {}
         self.calls_fused = 0
         self.calls_stock = 0
-        self.recorder = None  # integration/calibrate.py: records this layer's input amax while calibrating
+        self.recorder = None  # core/calibration.py: records this layer's input amax while calibrating
 
     def dynamic_scale(self) -> bool:
         """True when ComfyUI computes this layer's activation scale per call (no static ``input_scale``)."""
@@ -198,10 +127,12 @@ class FusedNVFP4Linear:
             self._static_alpha = {key: alpha}
         return scale, alpha
 
-    def __call__(self, x: torch.Tensor, *, source=None, swiglu: bool = False, stock=None):
-        """Forward of the layer. ``source`` (integration/block.py ``LinearSource``) or ``swiglu`` make the pack
+    def __call__(self, x: torch.Tensor, *, source=None, swiglu: bool = False, stock=None,
+                 plan: ForwardPlan | None = None):
+        """Forward of the layer. ``source`` (models/h3/sources.py ``LinearSource``) or ``swiglu`` make the pack
         read the layer input through that op (``x`` is then the op's *input*); ``stock`` / ``source.stock()``
-        rebuild the layer input with ComfyUI's own code when the fused path refuses."""
+        rebuild the layer input with ComfyUI's own code when the fused path refuses. ``plan``: the forward's
+        decisions (core/plan.py), resolved by the caller once per forward; looked up here when not given."""
         if source is not None:
             stock = source.stock
         if self.recorder is not None and self.recorder.active():  # calibrating: the input ComfyUI would build
@@ -213,18 +144,15 @@ class FusedNVFP4Linear:
         norm = source.norm if source is not None else None
         reason = self.refusal(x, x.shape[-1] // 2 if swiglu else x.shape[-1])
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-        backend = None
         if reason is None:
-            try:
-                backend = backend_for(x)
-                op = "pack_swiglu" if swiglu else ("pack_norm" if norm is not None else
-                                                   "pack_modulate" if modulation is not None else "pack")
-                reason = (selfcheck.op_refusal(x.device, op) or selfcheck.op_refusal(x.device, "linear")
-                          or backend.pack_support(x2, swiglu=swiglu, modulation=modulation, norm=norm))
-            except runtime.KernelBuildError as exc:
-                reason = f"kernel build failed: {exc}"
+            plan = plan if plan is not None else plan_for(x.device)
+            op = "pack_swiglu" if swiglu else ("pack_norm" if norm is not None else
+                                               "pack_modulate" if modulation is not None else "pack")
+            reason = (plan.refusal(op, "linear")
+                      or plan.backend.pack_support(x2, swiglu=swiglu, modulation=modulation, norm=norm))
         if reason is not None:
             return self._stock(reason, x, stock)
+        backend = plan.backend
         out_shape = (*x.shape[:-1], self.layer.out_features)
         out = None
         with layer_weights(self.layer, x2) as (weight, bias):
@@ -246,7 +174,7 @@ class FusedNVFP4Linear:
                         if static is not None:
                             packed.alpha = static_alpha
                         out = nvfp4_gemm(packed, weight, bias, self.layer.out_features, x.dtype)
-                except (runtime.KernelBuildError, ValueError) as exc:  # refused or failed: no output written
+                except (KernelBuildError, ValueError) as exc:  # refused or failed: no output written
                     reason = f"kernel launch failed: {exc}"
         if out is None:
             return self._stock(reason, x, stock)

@@ -1,5 +1,5 @@
-"""Calibration: record the activation amax of every NVFP4 Linear of the H3 blocks during normal sampling, then turn
-it into static ``input_scale`` values (integration/checkpoint.py writes them into a new checkpoint).
+"""Calibration: record the activation amax of NVFP4 Linears during normal sampling, then turn it into static
+``input_scale`` values (core/safetensors_io.py and models/h3/checkpoint.py write them into a new checkpoint).
 
 With an ``input_scale`` ComfyUI quantizes a layer's input with that fixed global scale: no reduction pass before
 the pack (one launch instead of two in the fused path, two instead of eight in stock), and fc2 reads the large fc1
@@ -22,6 +22,7 @@ import weakref
 import torch
 
 from ..layout import GLOBAL_SCALE_DIVISOR
+from .linear import FusedNVFP4Linear
 
 STATE_KEY = "h3_fused_nvfp4_calibration"  # transformer_options entry: the recorder id of a calibrating clone
 # (an id, not the object: ComfyUI may deep-copy model options)
@@ -128,33 +129,20 @@ class RecordingForward:
         return self.stock_forward(x, *args, **kwargs)
 
 
-def apply_calibration(model_patcher, allow_reference_backend: bool = False):
-    """``(clone, summary)``: a clone of ``model_patcher`` that records every H3 NVFP4 Linear's input amax. A fused
-    model stays fused (its patches are rebuilt for the clone, with recording); a stock one stays stock."""
-    from . import patch
-    from .linear import FusedNVFP4Linear
-
-    fused = patch.patch_state(model_patcher).get("mode") == "fused"
-    if fused:
-        clone, report = patch.apply_fused(model_patcher, patch.patched_scope(model_patcher),
-                                          allow_reference_backend=allow_reference_backend)
-        fused = report.applied
-    else:
-        clone = model_patcher.clone()
-    layers = patch.nvfp4_layers(clone.get_model_object("diffusion_model"))
+def attach_recorder(clone, layers: dict, *, prefix: str = "diffusion_model.") -> CalibrationRecorder:
+    """Make every Linear of ``layers`` (name below ``prefix`` -> module) of the ModelPatcher ``clone`` record its
+    input amax: a fused Linear records through its own forward, any other forward (ComfyUI's, or another node's
+    patch) is wrapped. Returns the recorder; :func:`recorder_of` finds it from the clone."""
     key, recorder = new_recorder(tuple(layers))
     for name, layer in layers.items():
-        patch_key = f"diffusion_model.{name}.forward"
+        patch_key = f"{prefix}{name}.forward"
         current = clone.object_patches.get(patch_key)
         if isinstance(current, FusedNVFP4Linear):
             current.recorder = recorder
         else:
             clone.add_object_patch(patch_key, RecordingForward(layer, name, recorder, inner=current))
     clone.model_options.setdefault("transformer_options", {})[STATE_KEY] = key
-    if not layers:
-        return clone, "H3 fused NVFP4 calibration: no NVFP4 Linear in MiniMax H3 blocks to record"
-    return clone, (f"H3 fused NVFP4 calibration: recording the input amax of {len(layers)} NVFP4 layers on the "
-                   f"{'fused' if fused else 'stock'} path; run sampling, then save with 'Save Calibrated H3 NVFP4'")
+    return recorder
 
 
 def input_scales(statistics: dict[str, dict], headroom: float = 1.0, statistic: str = "max") -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Python twin of kernels/ops.py for tensors that are not on a CUDA device (CPU tests, the self-check's logic).
+"""Python twin of kernels/cuda_ops.py for tensors that are not on a CUDA device (CPU tests, the self-check's logic).
 
 Same functions and arguments as the CUDA kernels, computed with torch's own ops in the order the kernels promise
 to reproduce: RMSNorm is ``torch.nn.functional.rms_norm``, the adaLN modulation ``x * (1 + scale[m]) + shift[m]``
@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import comfy_adapter
 from ..layout import GLOBAL_SCALE_DIVISOR, Modulation, PackedActivation, RmsNorm
+
 
 def _rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return table[index.to(device=table.device, dtype=torch.long)]
@@ -25,8 +27,7 @@ def modulate(x: torch.Tensor, modulation: Modulation) -> torch.Tensor:
 
 
 def swiglu(y: torch.Tensor) -> torch.Tensor:
-    gate, up = y.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate).mul_(up)
+    return comfy_adapter.eager_swiglu(y)
 
 
 def rms_norm(x: torch.Tensor, norm: RmsNorm) -> torch.Tensor:
@@ -71,8 +72,6 @@ def residual_support(x, other, gate, *, next_norm=None) -> str | None:
 
 def pack_nvfp4(x, *, static_scale=None, global_scale=None, weight_scale_2=None, swiglu=False, modulation=None,
                norm=None, out=None) -> PackedActivation:
-    import comfy_kitchen as ck
-
     h = source_output(x, swiglu_source=swiglu, modulation=modulation, norm=norm)
     if static_scale is not None:
         g = static_scale.to(torch.float32).reshape(1)
@@ -81,7 +80,7 @@ def pack_nvfp4(x, *, static_scale=None, global_scale=None, weight_scale_2=None, 
     else:
         g = dynamic_global_scale(h)
     rows, cols = h.shape
-    qdata, scales = ck.quantize_nvfp4(h.contiguous(), g.reshape(()), pad_16x=rows % 16 != 0 or cols % 16 != 0)
+    qdata, scales = comfy_adapter.quantize_nvfp4(h.contiguous(), g.reshape(()), pad_16x=rows % 16 != 0 or cols % 16 != 0)
     alpha = None
     if static_scale is None and weight_scale_2 is not None:
         alpha = (g * weight_scale_2.to(device=g.device, dtype=torch.float32)).reshape(1)

@@ -14,13 +14,15 @@ there is no FP4 GEMM (CPU, sm_90) comfy-kitchen dequantizes both operands and ru
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import torch
 
-from ..layout import NVFP4_LAYOUT
+from .. import comfy_adapter
+from ..core.nvfp4_weights import comfy_quant_tag, make_nvfp4_linear, nvfp4_checkpoint_entries, random_weight
+from ..models.h3.structure import LINEAR_PATHS
 
-QUANTIZED_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+__all__ = ["comfy_quant_tag", "make_nvfp4_linear", "nvfp4_checkpoint_entries"]  # builders the tests use from here
+
 TAG_VIDEO, TAG_TEXT, TAG_AUDIO = 0, 1, 2  # modality tags of MiniMaxH3Model._forward
 
 
@@ -44,63 +46,23 @@ FULL_TOKENS = (100, 414, 37296)
 
 
 def _model_module():
-    import comfy.ldm.minimax.model
-
-    return comfy.ldm.minimax.model
+    return comfy_adapter.h3_model_module()
 
 
 def h3_ops():
     """ComfyUI's op set for an NVFP4 checkpoint with NVFP4 compute forced on."""
-    import comfy.ops
-
-    return comfy.ops.mixed_precision_ops({}, compute_dtype=torch.bfloat16, disabled=[])
-
-
-def comfy_quant_tag(fmt: str = "nvfp4") -> torch.Tensor:
-    return torch.tensor(list(json.dumps({"format": fmt}).encode()), dtype=torch.uint8)
-
-
-def nvfp4_checkpoint_entries(prefix: str, weight: torch.Tensor, input_scale: float | None = None) -> dict:
-    """The checkpoint tensors of one NVFP4 Linear, quantized by ComfyUI's own ``QuantizedTensor.from_float``."""
-    from comfy.quant_ops import QuantizedTensor
-
-    qt = QuantizedTensor.from_float(weight.to(torch.bfloat16), NVFP4_LAYOUT)
-    p = f"{prefix}." if prefix else ""
-    entries = {
-        f"{p}weight": qt._qdata,
-        f"{p}weight_scale": qt._params.block_scale,
-        f"{p}weight_scale_2": qt._params.scale.reshape(()).to(torch.float32),
-        f"{p}comfy_quant": comfy_quant_tag(),
-    }
-    if input_scale is not None:
-        entries[f"{p}input_scale"] = torch.tensor(input_scale, dtype=torch.float32, device=weight.device)
-    return entries
-
-
-def make_nvfp4_linear(in_features: int, out_features: int, *, seed: int = 0, device="cpu",
-                      input_scale: float | None = None, bias: bool = False):
-    """One ComfyUI NVFP4 Linear (mixed-precision ops, NVFP4 compute forced on) with a random weight."""
-    layer = h3_ops().Linear(in_features, out_features, bias=bias, device=device)
-    gen = torch.Generator(device=device).manual_seed(int(seed))
-    sd = nvfp4_checkpoint_entries("", _random((out_features, in_features), gen, device, in_features ** -0.5,
-                                              torch.bfloat16), input_scale)
-    if bias:
-        sd["bias"] = _random((out_features,), gen, device, 0.02, torch.bfloat16)
-    layer.load_state_dict(sd, strict=False)
-    return layer.requires_grad_(False)
+    return comfy_adapter.mixed_precision_ops(torch.bfloat16, disabled=[])
 
 
 def _random(shape, gen, device, std, dtype, mean=0.0):
-    return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std + mean).to(dtype)
+    return random_weight(shape, gen, device, std, dtype, mean)
 
 
-# Static input scales for the tests: amax / 2688 of typical activations at these widths (any positive value is a
-# valid checkpoint; values that saturate some blocks exercise the clamp paths too).
 STATIC_INPUT_SCALE = {"attn.qkv_proj": 4.0 / 2688, "attn.out_proj": 2.0 / 2688, "mlp.fc1": 4.0 / 2688,
                       "mlp.fc2": 1.0 / 2688}
 
 
-def module_state_dict(module: torch.nn.Module, *, seed: int, device, quantized: tuple[str, ...] = QUANTIZED_LINEARS,
+def module_state_dict(module: torch.nn.Module, *, seed: int, device, quantized: tuple[str, ...] = LINEAR_PATHS,
                       static_layers: tuple[str, ...] = (), prefix: str = "") -> dict:
     """Random checkpoint tensors for every Linear / norm / buffer of ``module`` (built with ``h3_ops()``): NVFP4
     for the Linears whose path ends with one of ``quantized``, bf16 otherwise."""
@@ -166,7 +128,7 @@ def model_state_dict(dims: H3Dims = H3_SMALL, *, num_layers: int = 2, refiner_la
         sd[name] = _random(tuple(buf.shape), gen, "cpu", 1.0, buf.dtype).abs()
     for prefix, n in (("blocks", num_layers), ("token_refiner.blocks", refiner_layers)):
         for i in range(n):
-            for path in QUANTIZED_LINEARS:
+            for path in LINEAR_PATHS:
                 key = f"{prefix}.{i}.{path}"
                 weight = sd.pop(f"{key}.weight")
                 scale = STATIC_INPUT_SCALE[path] if path in static_layers else None

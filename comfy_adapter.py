@@ -1,0 +1,236 @@
+"""Everything the pack uses of ComfyUI and comfy-kitchen, in one module.
+
+The pack's shipped code (core/, kernels/, models/, nodes/) reaches ComfyUI and comfy-kitchen only through the
+functions here (`lint-imports` enforces it), so what the pack depends on in ComfyUI is visible in one file and a
+ComfyUI change that breaks it shows up in one place. Imports are lazy: the kernels, their Python twin and the
+tests of the pack alone import this module without a ComfyUI; each function raises ImportError (or returns the
+documented fallback) when the ComfyUI piece it names is missing.
+
+The one exception is ``comfy_api`` in nodes/: the node classes subclass ComfyUI's V3 node API at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import sys
+
+import torch
+
+NVFP4_LAYOUT = "TensorCoreNVFP4Layout"  # ComfyUI's / comfy-kitchen's name of the NVFP4 QuantizedTensor layout
+
+
+# ---- comfy-kitchen -----------------------------------------------------------------------------------------
+
+def kitchen():
+    """The comfy_kitchen module (its NVFP4 quantize, GEMM, dequantize and RMSNorm + RoPE ops)."""
+    import comfy_kitchen
+
+    return comfy_kitchen
+
+
+def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, pad_16x: bool):
+    return kitchen().quantize_nvfp4(x, global_scale, pad_16x=pad_16x)
+
+
+def scaled_mm_nvfp4(a, b, **kwargs):
+    return kitchen().scaled_mm_nvfp4(a, b, **kwargs)
+
+
+def dequantize_nvfp4(qdata, global_scale, block_scales, out_dtype):
+    return kitchen().dequantize_nvfp4(qdata, global_scale, block_scales, out_dtype)
+
+
+def rms_rope_split_half_(q, k, freqs, q_weight, k_weight, epsilon: float, rot_dim: int) -> None:
+    kitchen().rms_rope_split_half_(q, k, freqs, q_weight, k_weight, epsilon=epsilon, rot_dim=rot_dim)
+
+
+# ---- comfy.ops and comfy.quant_ops: layers, weights, the NVFP4 tensor -------------------------------------
+
+def comfy_ops():
+    """``comfy.ops``, or None outside ComfyUI."""
+    try:
+        import comfy.ops
+
+        return comfy.ops
+    except ImportError:
+        return None
+
+
+def quant_ops():
+    import comfy.quant_ops
+
+    return comfy.quant_ops
+
+
+def mixed_precision_ops(compute_dtype=torch.bfloat16, disabled=None):
+    """ComfyUI's op set of a quantized checkpoint (``disabled=[]``: NVFP4 compute forced on)."""
+    import comfy.ops
+
+    if disabled is None:
+        return comfy.ops.mixed_precision_ops({}, compute_dtype=compute_dtype)
+    return comfy.ops.mixed_precision_ops({}, compute_dtype=compute_dtype, disabled=disabled)
+
+
+def quantize_like_comfy(h: torch.Tensor, scale: torch.Tensor | None = None):
+    """``QuantizedTensor.from_float(h, "TensorCoreNVFP4Layout", scale=...)``: ComfyUI's NVFP4 activation quantizer."""
+    return quant_ops().QuantizedTensor.from_float(h, NVFP4_LAYOUT, scale=scale)
+
+
+def eager_swiglu(y: torch.Tensor) -> torch.Tensor:
+    """fc2's input from fc1's output the way ComfyUI's eager activation computes it (a new tensor)."""
+    ops = comfy_ops()
+    if ops is not None and hasattr(ops, "_eager_input_act"):
+        return ops._eager_input_act(y, "swiglu")
+    gate, up = y.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate).mul_(up)
+
+
+def swiglu_reference():
+    """ComfyUI's in-place SwiGLU helper, or None where this ComfyUI has none."""
+    ops = comfy_ops()
+    return getattr(ops, "_swiglu_eager", None) if ops is not None else None
+
+
+def allocation_context():
+    """Allocations made inside stay outside ComfyUI's recorded allocation graph, like comfy-kitchen's own."""
+    try:
+        import comfy.model_prefetch
+
+        return comfy.model_prefetch.pause_malloc_graph()
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def layer_weights(layer, x: torch.Tensor):
+    """Yield (weight, bias) the way ComfyUI's NVFP4 Linear obtains them (offload, LoRA, dynamic VRAM)."""
+    ops = comfy_ops()
+    if ops is None or not isinstance(layer, getattr(ops, "CastWeightBiasOp", ())):
+        yield layer.weight, layer.bias  # not a ComfyUI op: its weights are used as they are
+    elif hasattr(ops, "CastBiasWeightContext"):
+        with ops.CastBiasWeightContext(layer, x, offloadable=True, compute_dtype=x.dtype, want_requant=True) as wb:
+            yield wb
+    else:
+        weight, bias, state = ops.cast_bias_weight(layer, x, offloadable=True)
+        try:
+            yield weight, bias
+        finally:
+            ops.uncast_bias_weight(layer, weight, bias, state)
+
+
+@contextlib.contextmanager
+def norm_weight(norm, x: torch.Tensor):
+    """The weight of a ComfyUI RMSNorm the way its forward obtains it (offloaded or dynamic-VRAM weights)."""
+    ops = comfy_ops()
+    context = getattr(ops, "CastBiasWeightContext", None) if getattr(norm, "comfy_cast_weights", False) else None
+    if context is None:
+        yield norm.weight.to(device=x.device)
+    else:
+        with context(norm, x, offloadable=True) as (weight, _):
+            yield weight
+
+
+def cast_to(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
+    try:
+        import comfy.model_management
+
+        return comfy.model_management.cast_to(weight, device=device)
+    except ImportError:
+        return weight.to(device)
+
+
+def in_training() -> bool:
+    try:
+        import comfy.model_management
+
+        return bool(getattr(comfy.model_management, "in_training", False))
+    except ImportError:
+        return False
+
+
+# ---- models, files and the server --------------------------------------------------------------------------
+
+def h3_model_module():
+    """``comfy.ldm.minimax.model``: ComfyUI's MiniMax H3 (blocks, modulation helpers, rotation tables)."""
+    import comfy.ldm.minimax.model
+
+    return comfy.ldm.minimax.model
+
+
+def model_detection():
+    import comfy.model_detection
+
+    return comfy.model_detection
+
+
+def diffusion_model_names() -> list[str]:
+    import folder_paths
+
+    return folder_paths.get_filename_list("diffusion_models")
+
+
+def diffusion_model_path(name: str) -> str:
+    import folder_paths
+
+    return folder_paths.get_full_path_or_raise("diffusion_models", name)
+
+
+def load_diffusion_model(path: str, model_options: dict):
+    """ComfyUI's *Load Diffusion Model* (``comfy.sd.load_diffusion_model``)."""
+    import comfy.sd
+
+    return comfy.sd.load_diffusion_model(path, model_options=model_options)
+
+
+def progress_bar(total: int):
+    import comfy.utils
+
+    return comfy.utils.ProgressBar(total)
+
+
+def executing_node_id():
+    """The id of the graph node ComfyUI is executing, or None (older ComfyUI, or outside a graph)."""
+    try:
+        from comfy_execution.utils import get_executing_context
+
+        return getattr(get_executing_context(), "node_id", None)
+    except Exception:
+        return None
+
+
+def send_progress_text(node_id, text: str) -> None:
+    """Show ``text`` on graph node ``node_id`` (ComfyUI's progress text) where a server runs; the log has it too."""
+    server = sys.modules.get("server")
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    if node_id is None or instance is None or not hasattr(instance, "send_progress_text"):
+        return
+    try:
+        instance.send_progress_text(text, node_id)
+    except Exception:  # the UI is a courtesy
+        pass
+
+
+def comfyui_version() -> str:
+    """The running ComfyUI's ``comfyui_version.__version__``, or "unknown"."""
+    try:
+        import comfyui_version
+
+        return str(comfyui_version.__version__)
+    except (ImportError, AttributeError):
+        return "unknown"
+
+
+def source_hash(objects) -> str:
+    """Hash of the source of ComfyUI functions and classes (a class with every ComfyUI class it inherits from: a
+    subclass alone may be two lines). A change of that code re-runs the self-check."""
+    parts = []
+    for obj in objects:
+        if obj is None:
+            continue
+        if inspect.isclass(obj):
+            parts += [inspect.getsource(c) for c in obj.__mro__ if c.__module__.startswith("comfy")]
+        else:
+            parts.append(inspect.getsource(obj))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

@@ -1,0 +1,168 @@
+"""The self-check's probes of the NVFP4 Linear path, and the byte comparison every probe uses.
+
+Each probe runs a fused op on small probe tensors (random rows plus ties, zeros, -0.0, scale underflow, NaN, +-Inf,
+subnormals, rows that are not a multiple of 16 or 128, a strided view) and ComfyUI's own op sequence on the same
+input, and returns None (bit-identical) or where the bytes first differ. Model fusions add their own probe sets
+(models/*/probes.py); core/verdicts.py runs them and keeps the verdicts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import comfy_adapter
+from .linear import FusedNVFP4Linear
+from .nvfp4_weights import make_nvfp4_linear
+from .verdicts import ProbeSet
+
+# ---- byte comparison ---------------------------------------------------------------------------------------
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous()
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1).to(torch.uint8)
+
+
+def first_difference(what: str, fused: torch.Tensor, comfy: torch.Tensor) -> str | None:
+    """None if the two tensors hold the same bytes, else where they first differ and both values."""
+    if tuple(fused.shape) != tuple(comfy.shape) or fused.dtype != comfy.dtype:
+        return f"{what}: shape/dtype {tuple(fused.shape)} {fused.dtype} vs ComfyUI's {tuple(comfy.shape)} {comfy.dtype}"
+    a, b = _as_bytes(fused), _as_bytes(comfy)
+    ne = (a != b).nonzero()
+    if ne.numel() == 0:
+        return None
+    item = fused.element_size()
+    i = int(ne[0]) // item
+    flat_f, flat_c = fused.detach().contiguous().reshape(-1), comfy.detach().contiguous().reshape(-1)
+    fv, cv = flat_f[i], flat_c[i]
+    show = (lambda v: f"{float(v.float()):.9g}") if fused.is_floating_point() else (lambda v: f"0x{int(v):02x}")
+    index = tuple(int(j) for j in torch.unravel_index(torch.tensor(i), tuple(fused.shape))) if fused.dim() else ()
+    return (f"{what} differs at index {index} (fused {show(fv)}, ComfyUI {show(cv)}; "
+            f"{ne.numel()} bytes differ)")
+
+
+def compare_packed(label, packed, qt) -> str | None:
+    """A packed activation against ComfyUI's QuantizedTensor of the same input: global scale, codes, block scales."""
+    return (first_difference(f"{label} global scale", packed.global_scale.reshape(-1), qt._params.scale.reshape(-1))
+            or first_difference(f"{label} codes", packed.qdata, qt._qdata)
+            or first_difference(f"{label} block scales", packed.block_scales.view(torch.uint8),
+                                qt._params.block_scale.view(torch.uint8)))
+
+
+def comfy_quantized(h: torch.Tensor, scale: float | None):
+    """ComfyUI's NVFP4 quantization of ``h`` (dynamic scale, or the static ``scale``)."""
+    s = None if scale is None else torch.tensor(scale, dtype=torch.float32, device=h.device)
+    return comfy_adapter.quantize_like_comfy(h.contiguous(), s)
+
+
+def static_scale(scale: float | None, device) -> torch.Tensor | None:
+    return None if scale is None else torch.tensor([scale], dtype=torch.float32, device=device)
+
+
+# ---- probe tensors -----------------------------------------------------------------------------------------
+
+def probe_activations(device, k: int = 1056, seed: int = 7) -> dict[str, tuple[torch.Tensor, float | None]]:
+    """Named probe activations and the static scale each is packed with (None: dynamic)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    rows = 129  # not a multiple of 16 or 128
+    random = (torch.randn((rows, k), generator=gen) * 2.0).to(torch.bfloat16).to(device)
+    # Hard cases, static scale 1 so that E2M1 boundaries are exact ties: one 16-block per pattern.
+    ties = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -6.0]
+    patterns = [
+        ties,
+        [0.0] * 16,
+        [-0.0] * 16,
+        [1e-30] * 8 + [-1e-30] * 8,                          # block scale underflows to 0
+        [2.0 ** -130, -(2.0 ** -133)] * 8,                   # bf16 subnormals
+        [3.0e38, -3.0e38] + [1.0] * 14,                      # huge
+        [float("nan")] + [1.0] * 15,
+        [float("inf"), -1.0] + [0.5] * 14,
+        [float("-inf")] + [0.0] * 15,
+        [0.125 * (i - 8) for i in range(16)],
+    ]
+    hard = torch.zeros((33, 512), dtype=torch.float32)
+    hard[:] = torch.randn((33, 512), generator=gen)
+    for r, pattern in enumerate(patterns):
+        hard[r, 16 * r:16 * r + 16] = torch.tensor(pattern)
+        hard[r + len(patterns), 16 * (r + 1):16 * (r + 1) + 16] = torch.tensor(pattern) * 0.5
+    hard = hard.to(torch.bfloat16).to(device)
+    wide = (torch.randn((40, k + 64), generator=gen)).to(torch.bfloat16).to(device)
+    finite_hard = torch.nan_to_num(hard.float(), nan=0.0, posinf=5.0, neginf=-5.0).to(torch.bfloat16)
+    return {
+        "random rows, dynamic scale": (random, None),
+        "random rows, static scale": (random, 2.0 / 2688 * 1.5),
+        "hard cases, static scale 1": (hard, 1.0),
+        "hard cases without NaN/inf, dynamic scale": (finite_hard.to(device), None),
+        "hard cases with NaN/inf, dynamic scale": (hard, None),
+        "strided view, dynamic scale": (wide[:, 32:32 + k], None),
+    }
+
+
+def scale_rounding_amaxes(count: int = 12) -> list[float]:
+    """bf16 amax values whose ComfyUI scale ``amax * fp32(1/2688)`` rounds to bf16 upward (half of them) and
+    downward: any change of that rounding changes the scale of one of them."""
+    inv = torch.tensor(1.0 / 2688.0, dtype=torch.float32)
+    up, down = [], []
+    bits = 0x3F80  # bf16 1.0, then every following bf16 value
+    while len(up) < count // 2 or len(down) < count // 2:
+        bits += 1
+        value = torch.tensor([bits], dtype=torch.int16).view(torch.bfloat16)
+        low = int((value.float() * inv).view(torch.int32)) & 0xFFFF
+        if low > 0x8000 and len(up) < count // 2:
+            up.append(float(value))
+        elif 0 < low < 0x8000 and len(down) < count // 2:
+            down.append(float(value))
+    return up + down
+
+
+# ---- the probes --------------------------------------------------------------------------------------------
+
+def check_global_scale(backend, device) -> str | None:
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    for amax in scale_rounding_amaxes():
+        x = (torch.rand((17, 32), generator=gen) * 2 - 1) * amax * 0.9
+        x[5, 7] = -amax
+        x = x.to(torch.bfloat16).to(device)
+        diff = compare_packed(f"dynamic scale of amax {amax}", backend.pack_nvfp4(x), comfy_quantized(x, None))
+        if diff:
+            return diff
+    return None
+
+
+def check_pack(backend, device) -> str | None:
+    for label, (x, scale) in probe_activations(device).items():
+        packed = backend.pack_nvfp4(x, static_scale=static_scale(scale, device))
+        diff = compare_packed(label, packed, comfy_quantized(x, scale))
+        if diff:
+            return diff
+    return None
+
+
+def check_linear(backend, device) -> str | None:
+    """The fused NVFP4 Linear (pack + device-alpha GEMM) against the stock NVFP4 Linear forward."""
+    layer = make_nvfp4_linear(5376, 256, seed=29, device=device)
+    fused = FusedNVFP4Linear(layer, "self-check linear")
+    x, _ = probe_activations(device, k=5376)["random rows, dynamic scale"]
+    with torch.inference_mode():
+        stock, out = layer(x), fused(x)
+    if fused.calls_fused != 1:
+        return "the fused Linear refused the probe"
+    return first_difference("NVFP4 Linear output", out, stock)
+
+
+def linear_comfy_source() -> str:
+    """Hash of ComfyUI's NVFP4 Linear and quantizer classes (what the Linear path reproduces)."""
+    try:
+        ops = comfy_adapter.mixed_precision_ops()
+        return comfy_adapter.source_hash([ops.Linear, comfy_adapter.quant_ops().TensorCoreNVFP4Layout])
+    except Exception as exc:  # no ComfyUI (tests of the pack alone): the hash says so
+        return f"unavailable: {type(exc).__name__}"
+
+
+LINEAR_PROBES = ProbeSet(
+    name="nvfp4_linear",
+    probes={"global_scale": check_global_scale, "pack": check_pack, "linear": check_linear},
+    comfy_source=linear_comfy_source,
+    shares_global_scale=("pack",),
+    needs_fp4_gemm=("linear",),
+)

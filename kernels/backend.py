@@ -1,0 +1,57 @@
+"""The interface both implementations of the fused ops declare, and the choice between them.
+
+``FusedOps`` is what the core and the model fusions call: the CUDA kernels (kernels/cuda_ops.py) on a CUDA device,
+their Python twin (kernels/twin_ops.py) elsewhere. Every op reproduces ComfyUI's stock ops bit for bit; each
+``*_support`` returns None when the implementation takes these tensors, else the reason the caller logs before
+running ComfyUI's own op. :func:`backend_for` picks the implementation once per device (core/plan.py resolves it
+once per forward).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..layout import Modulation, PackedActivation, RmsNorm
+from . import cuda_ops, runtime, twin_ops
+
+
+class FusedOps(Protocol):
+    def pack_support(self, x: torch.Tensor, *, swiglu: bool = False, modulation: Modulation | None = None,
+                     norm: RmsNorm | None = None) -> str | None: ...
+
+    def pack_nvfp4(self, x: torch.Tensor, *, static_scale: torch.Tensor | None = None,
+                   global_scale: torch.Tensor | None = None, weight_scale_2: torch.Tensor | None = None,
+                   swiglu: bool = False, modulation: Modulation | None = None, norm: RmsNorm | None = None,
+                   out: torch.Tensor | None = None) -> PackedActivation: ...
+
+    def rms_norm_support(self, x: torch.Tensor, weight: torch.Tensor) -> str | None: ...
+
+    def norm_statistics(self, x: torch.Tensor, norm: RmsNorm, *, modulation: Modulation | None = None,
+                        global_scale_out: torch.Tensor | None = None) -> None: ...
+
+    def residual_support(self, x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor, *,
+                         next_norm: RmsNorm | None = None) -> str | None: ...
+
+    def gated_residual_(self, x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor, mod_index: torch.Tensor, *,
+                        next_norm: RmsNorm | None = None, next_modulation: Modulation | None = None,
+                        global_scale_out: torch.Tensor | None = None) -> torch.Tensor | None: ...
+
+    def rms_rope_support(self, q, k, freqs, q_weight, k_weight, rot_dim) -> str | None: ...
+
+    def rms_rope_split_half_(self, q, k, freqs, q_weight, k_weight, epsilon: float, rot_dim: int) -> None: ...
+
+
+KernelBuildError = runtime.KernelBuildError
+
+
+def backend_for(device: torch.device) -> FusedOps:
+    """The CUDA kernels for a CUDA device (built or loaded from the cache now), the Python twin elsewhere.
+
+    Raises :class:`KernelBuildError` when the kernels cannot be built for this GPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        cuda_ops.module_for(device)
+        return cuda_ops
+    return twin_ops

@@ -1,0 +1,2 @@
+"""Tools off the user's forward path: the report, the random-weight model builders, finding a ComfyUI outside its
+own process. Nothing shipped imports this folder."""
