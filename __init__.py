@@ -4,7 +4,9 @@ ComfyUI calls :func:`comfy_entrypoint` (V3 node API). Everything ComfyUI-specifi
 that the kernels and references can be used and tested without ComfyUI.
 """
 
-__version__ = "0.1.0"
+from .version import __version__
+
+__all__ = ["__version__", "comfy_entrypoint"]
 
 
 async def comfy_entrypoint():

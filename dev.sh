@@ -3,7 +3,8 @@
 #
 #   ./dev.sh setup            create / update .venv (skipped when nothing it installs from has changed)
 #   ./dev.sh report [args]    setup, then python report.py [args]: self-check + H3 block profile -> JSON
-#   ./dev.sh test [args]      setup, then python -m pytest tests -q -rs [args]; exits with pytest's code
+#   ./dev.sh lint             setup, then the architecture contracts (lint-imports, .importlinter) and ruff (ruff.toml)
+#   ./dev.sh test [args]      setup, lint, then python -m pytest tests -q -rs [args]; exits with pytest's code
 #
 # The tests run ComfyUI's real code: the first of $COMFYUI_PATH, the ComfyUI this folder is installed in
 # (custom_nodes/<pack>), ../shared/comfyui. setup installs what that ComfyUI imports:
@@ -54,8 +55,22 @@ setup() {
   say "setup done"
 }
 
+run_lint() {
+  setup
+  # lint-imports finds the pack by its import name: a link of that name to this folder on its path
+  local path="$ROOT/build/lint"
+  mkdir -p "$path"
+  ln -sfn "$ROOT" "$path/h3_fused_nvfp4"
+  say "lint-imports (.importlinter)"
+  (cd "$path" && PYTHONPATH="$path" "$VENV/bin/lint-imports" "$ROOT/.importlinter" --no-cache) || { say "import contracts broken"; return 1; }
+  say "ruff check (ruff.toml)"
+  "$VENV/bin/ruff" check --no-cache "$ROOT" || { say "ruff found problems"; return 1; }
+  say "lint passed"
+}
+
 run_tests() {
   setup
+  run_lint
   say "running pytest tests -q -rs $*"
   local rc=0
   "$VENV/bin/python" -m pytest tests -q -rs "$@" || rc=$?
@@ -76,7 +91,7 @@ run_report() {
 }
 
 usage() {
-  sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 cmd="${1:-}"
@@ -84,6 +99,7 @@ cmd="${1:-}"
 case "$cmd" in
   setup) setup ;;
   test) run_tests "$@" ;;
+  lint) run_lint ;;
   report) run_report "$@" ;;
   -h|--help|help) usage ;;
   *) usage >&2; exit 2 ;;

@@ -38,7 +38,7 @@ REPORT_COMMAND = "python <ComfyUI>/custom_nodes/<this pack>/report.py"
 VERDICT_FILE_MAX_BYTES = 1 << 20
 PACK_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHIPPED_FOLDERS = ("core", "kernels", "models", "nodes")
-SHIPPED_FILES = ("__init__.py", "layout.py", "comfy_adapter.py")
+SHIPPED_FILES = ("__init__.py", "layout.py", "comfy_adapter.py", "version.py")
 
 Probe = Callable[[FusedOps, torch.device], "str | None"]
 

@@ -104,7 +104,7 @@ def test_project_name_is_a_valid_node_id(pyproject):
 def test_version_is_semver_and_consistent(pyproject):
     version = pyproject["project"]["version"]
     assert SEMVER_RE.fullmatch(version), f"{version!r} is not X.Y.Z"
-    init = (REPO_ROOT / "__init__.py").read_text(encoding="utf-8")
+    init = (REPO_ROOT / "version.py").read_text(encoding="utf-8")
     assert re.search(r'^__version__ = "([^"]+)"$', init, re.M).group(1) == version
     for workflow in WORKFLOWS.glob("*.json"):  # our nodes carry the pack's registry id and version
         for node in json.loads(workflow.read_text(encoding="utf-8"))["nodes"]:

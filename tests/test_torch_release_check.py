@@ -1,6 +1,6 @@
 """scripts/check_torch_release.py (CPU): how it names, selects and compares torch's kernel instantiations. The
 listings are shaped like cuobjdump's, with instructions taken from the torch 2.14.1 / 2.15.0 comparison
-(benchmarks/torch-kernels-2.14.1-vs-2.15.0.json)."""
+(scripts/torch-kernels/torch-kernels-2.14.1-vs-2.15.0.json)."""
 
 import importlib.util
 import pathlib

@@ -34,7 +34,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from .. import __version__, comfy_adapter
+from .. import comfy_adapter
 from ..core import verdicts
 from ..core.linear import gemm_mode
 from ..core.probes import first_difference
@@ -44,6 +44,7 @@ from ..kernels.backend import backend_for
 from ..models.h3 import patch
 from ..models.h3.patch import PROBE_SETS
 from ..models.h3.structure import LINEAR_PATHS
+from ..version import __version__
 from . import comfy_env
 from . import synthetic as syn
 

@@ -1,0 +1,69 @@
+"""The layout's rules that lint-imports does not state: no import cycle among the pack's modules, no folder that
+holds most of the product, every shipped source in a room of its own role (README's layout table names each)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = "h3_fused_nvfp4"
+NOT_PRODUCT = ("tests", "benchmarks", "scripts", "build", "example_workflows", "workflows", "web")
+SOURCE_SUFFIXES = (".py", ".cu", ".cuh")
+MAX_FOLDER_SHARE = 0.40
+
+
+def product_files() -> list[pathlib.Path]:
+    files = []
+    for path in REPO_ROOT.rglob("*"):
+        relative = path.relative_to(REPO_ROOT)
+        if path.is_file() and path.suffix in SOURCE_SUFFIXES and not any(
+                part.startswith(".") for part in relative.parts) and relative.parts[0] not in NOT_PRODUCT:
+            files.append(path)
+    return files
+
+
+def test_no_folder_holds_more_than_two_fifths_of_the_product():
+    lines: dict[pathlib.Path, int] = {}
+    for path in product_files():
+        lines[path.parent] = lines.get(path.parent, 0) + len(path.read_text(encoding="utf-8").splitlines())
+    total = sum(lines.values())
+    shares = {str(folder.relative_to(REPO_ROOT)): count / total for folder, count in lines.items()}
+    assert total > 3000 and len(shares) >= 5, shares
+    assert max(shares.values()) <= MAX_FOLDER_SHARE, sorted(shares.items(), key=lambda kv: -kv[1])
+
+
+def _import_graph():
+    grimp = pytest.importorskip("grimp", reason="grimp comes with import-linter (tests/requirements-test.txt)")
+    return grimp.build_graph(PACKAGE, cache_dir=None)
+
+
+def test_no_import_cycle_among_the_packs_modules():
+    graph = _import_graph()
+    modules = sorted(m for m in graph.modules if m.startswith(PACKAGE + "."))
+    edges = {m: sorted(d for d in graph.find_modules_directly_imported_by(m)
+                       if d.startswith(PACKAGE + ".") and d != m) for m in modules}
+    assert sum(map(len, edges.values())) > 40, "the graph looks empty: is the package found?"
+    state: dict[str, int] = {}  # 1 on the path, 2 done
+
+    def visit(module, path):
+        state[module] = 1
+        for target in edges.get(module, ()):
+            if state.get(target) == 1:
+                cycle = path[path.index(target):] + [target]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in modules:
+        if module not in state:
+            visit(module, [module])
+
+
+def test_the_readme_names_every_room():
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    rooms = {path.parent.relative_to(REPO_ROOT).as_posix() for path in product_files()} - {"."}
+    missing = [room for room in sorted(rooms) if f"`{room}/`" not in readme]
+    assert not missing, f"README's layout table does not name {missing}"
