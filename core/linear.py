@@ -70,7 +70,12 @@ def nvfp4_gemm(packed: PackedActivation, weight, bias: torch.Tensor | None, out_
 
 # ---- the per-layer replacement forward ---------------------------------------------------------------------
 
-class FusedNVFP4Linear:
+class PackPatch:
+    """Base of every callable this pack installs as an object patch: how a clone's patches are told from other
+    nodes' patches (core/patching.py removes exactly these)."""
+
+
+class FusedNVFP4Linear(PackPatch):
     """Callable installed as ``layer.forward`` (object patch). Holds no tensors of its own except cached
     static-scale products, so patching and unpatching are cheap.
 
@@ -90,15 +95,9 @@ class FusedNVFP4Linear:
         """True when ComfyUI computes this layer's activation scale per call (no static ``input_scale``)."""
         return getattr(self.layer, "input_scale", None) is None
 
-    def refusal(self, x: torch.Tensor, width: int) -> str | None:
-        """Why the fused path cannot take this call (None: it can)."""
+    def static_refusal(self) -> str | None:
+        """Why no call of this layer can take the fused path as the layer stands (None: calls may)."""
         layer = self.layer
-        if torch.compiler.is_compiling():
-            return "inside torch.compile (stock path is traced instead)"
-        if x.dtype != torch.bfloat16:
-            return f"the activation is {x.dtype}, not bfloat16"
-        if x.requires_grad and torch.is_grad_enabled():
-            return "autograd is recording (training path)"
         if getattr(layer, "_full_precision_mm", False):
             return "ComfyUI keeps this layer in full precision (GPU without NVFP4 compute or checkpoint flag)"
         if getattr(layer, "comfy_force_cast_weights", False):
@@ -109,8 +108,21 @@ class FusedNVFP4Linear:
             return "the layer has a pre_quant_scale"
         if not is_nvfp4_weight(layer.weight):
             return "the weight is not an NVFP4 QuantizedTensor"
-        if width != layer.in_features:
-            return f"input width {width} != in_features {layer.in_features}"
+        return None
+
+    def refusal(self, x: torch.Tensor, width: int) -> str | None:
+        """Why the fused path cannot take this call (None: it can)."""
+        if torch.compiler.is_compiling():
+            return "inside torch.compile (stock path is traced instead)"
+        if x.dtype != torch.bfloat16:
+            return f"the activation is {x.dtype}, not bfloat16"
+        if x.requires_grad and torch.is_grad_enabled():
+            return "autograd is recording (training path)"
+        reason = self.static_refusal()
+        if reason is not None:
+            return reason
+        if width != self.layer.in_features:
+            return f"input width {width} != in_features {self.layer.in_features}"
         return None
 
     def static_scale(self, device: torch.device):

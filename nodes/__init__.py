@@ -19,7 +19,8 @@ from comfy_api.latest import ComfyExtension, io, ui
 
 from .. import comfy_adapter
 from ..core.calibration import STATISTICS, recorder_of
-from ..models.h3 import checkpoint, patch
+from ..models import patch
+from ..models.h3 import checkpoint
 
 log = logging.getLogger("h3_fused_nvfp4")
 

@@ -10,7 +10,7 @@ import torch
 
 from conftest import requires_cuda
 from h3_fused_nvfp4.core import verdicts
-from h3_fused_nvfp4.models.h3 import patch
+from h3_fused_nvfp4.models import patch
 from h3_fused_nvfp4.models.h3.patch import PROBE_SETS
 from h3_fused_nvfp4.tools import synthetic as syn
 from parity import assert_bit_identical, selfcheck_mode

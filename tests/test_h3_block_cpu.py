@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from h3_fused_nvfp4.core import calibration as calibrate
-from h3_fused_nvfp4.models.h3 import patch
+from h3_fused_nvfp4.core.patching import SCOPES
 from h3_fused_nvfp4.tools import synthetic as syn
 from parity import assert_bit_identical, fresh_seed
 
@@ -29,15 +29,7 @@ TOKENS = (19, 46, 245)
 @contextlib.contextmanager
 def fused(blocks, scope="block", block_check=False):
     """Patch ``blocks`` the way ComfyUI does (a ModelPatcher's object patches, applied and removed)."""
-    holder = syn.BlockHolder(blocks)
-    patches, report = patch.build_patches(holder, scope)
-    assert report.applied, report.reason
-    states = {p.state for p in patches.values() if hasattr(p, "state")}
-    for state in states:
-        state.block_check = "pending" if block_check else "passed"
-    patcher = syn.model_patcher_for(holder)
-    for key, value in patches.items():
-        patcher.add_object_patch(f"diffusion_model.{key}", value)
+    patcher, patches = syn.fused_patcher(blocks, scope, block_check="pending" if block_check else "passed")
     patcher.patch_model(load_weights=False)
     try:
         yield patches
@@ -138,7 +130,7 @@ def test_silu_of_t_emb_once_per_chain_of_blocks(monkeypatch):
     assert hooked == [t_emb.shape] and len(calls) == 2  # block 0's silu, and block 1's own in its hooked forward
 
 
-@pytest.mark.parametrize("scope", patch.SCOPES)
+@pytest.mark.parametrize("scope", SCOPES)
 def test_both_scopes_match(scope):
     seed = fresh_seed()
     blocks = [syn.make_dit_block(seed=seed + i, static_layers=("mlp.fc2",)) for i in range(2)]

@@ -18,7 +18,9 @@ import torch
 
 import comfy_harness as ch
 from h3_fused_nvfp4.core.linear import FusedNVFP4Linear
-from h3_fused_nvfp4.models.h3 import patch as patch_mod
+from h3_fused_nvfp4.core.patching import STATE_KEY
+from h3_fused_nvfp4.models import patch as patch_mod
+from h3_fused_nvfp4.models.h3.structure import LINEAR_PATHS
 from h3_fused_nvfp4.tools import synthetic as syn
 from comfy_harness import NUM_LAYERS, REFINER_LAYERS, UNET_NAME
 from parity import assert_bit_identical
@@ -49,7 +51,7 @@ def expected_patch_keys(scope: str = "block") -> set[str]:
         for i in range(n):
             block = f"diffusion_model.{prefix}.{i}"
             keys.add(f"{block}.mlp.forward")
-            keys.update(f"{block}.{path}.forward" for path in patch_mod.LINEAR_PATHS)
+            keys.update(f"{block}.{path}.forward" for path in LINEAR_PATHS)
             if prefix == "blocks" and scope == "block":
                 keys.update({f"{block}.forward", f"{block}.attn.forward"})
     return keys
@@ -181,7 +183,7 @@ def _patch_only_graph(key: str) -> dict:
     return {"1": ch.model_source_node(key), "2": {"class_type": "H3FusedNVFP4Patch", "inputs": {"model": ["1", 0], "scope": "block"}}}
 
 
-def test_non_h3_model_passes_through_with_one_warning(pack, caplog):
+def test_model_without_nvfp4_layers_passes_through_with_one_warning(pack, caplog):
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
     source = syn.model_patcher_for(net, "cpu")
     caplog.set_level(logging.INFO, logger=LOGGER)
@@ -190,7 +192,7 @@ def test_non_h3_model_passes_through_with_one_warning(pack, caplog):
     patched = run.output("2")
     assert patched is not source and patched.object_patches == {} and source.object_patches == {}
     records = pack_records(caplog, logging.WARNING)
-    assert len(records) == 1 and "Sequential has no MiniMax H3 transformer blocks" in records[0].getMessage()
+    assert len(records) == 1 and "Sequential) has no NVFP4-quantized Linear" in records[0].getMessage()
     assert run.ui_text("2") == records[0].getMessage()
 
 
@@ -215,10 +217,10 @@ def test_cpu_without_reference_backend_is_left_unpatched(comfyui, caplog):
 
 def test_kernel_build_failure_leaves_the_model_unpatched(pack, comfyui, monkeypatch, caplog):
     """The kernels fail to build for the (pretended) GPU: Patch returns the model unpatched and says why once."""
-    pack_patch = pack.submodule("models.h3.patch")
+    pack_patch = pack.submodule("core.patching")
     source = syn.model_patcher_for(syn.BlockHolder([syn.make_dit_block(seed=51)]), "cpu")
     source.load_device = torch.device("cuda", 0)
-    monkeypatch.setattr(pack_patch, "_device_description", lambda device: "GPU Fake sm_121")
+    monkeypatch.setattr(pack_patch, "device_description", lambda device: "GPU Fake sm_121")
     monkeypatch.setattr(pack_patch, "kernel_status", lambda device: (False, "build failed: NVRTC (forced by test)"))
     caplog.set_level(logging.INFO, logger=LOGGER)
     run = ch.run_prompt(_patch_only_graph(ch.register_model(source)))
@@ -284,7 +286,7 @@ def test_toggle_keeps_the_patched_scope(pack, model_file, clean_models):
     run = ch.run_prompt(prompt)
     run.raise_for_status()
     assert set(run.output("3").object_patches) == expected_patch_keys("linears")
-    state = run.output("3").model_options["transformer_options"][patch_mod.STATE_KEY]
+    state = run.output("3").model_options["transformer_options"][STATE_KEY]
     assert state["scope"] == "linears"
 
 
@@ -303,7 +305,7 @@ def test_loader_passes_the_same_model_options_as_unet_loader(pack, model_file, m
         "2": {"class_type": "UNETLoader", "inputs": {"unet_name": UNET_NAME, "weight_dtype": weight_dtype}}})
     run.raise_for_status()
     assert len(calls) == 2 and calls[0] == calls[1] and calls[0][0] == str(model_file), calls
-    assert "has no MiniMax H3 transformer blocks" in run.ui_text("1")  # a non-H3 model: passed through
+    assert "has no NVFP4-quantized Linear" in run.ui_text("1")  # no NVFP4 layer: passed through
 
 
 def test_torch_compile_traces_the_stock_path(comfyui):

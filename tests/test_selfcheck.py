@@ -17,7 +17,8 @@ import torch
 
 from h3_fused_nvfp4.core import plan, verdicts
 from h3_fused_nvfp4.kernels import twin_ops as fused_ops
-from h3_fused_nvfp4.models.h3 import patch
+from h3_fused_nvfp4.models import patch
+from h3_fused_nvfp4.models.h3 import patch as h3_patch
 from h3_fused_nvfp4.models.h3.patch import PROBE_SETS
 from h3_fused_nvfp4.tools import synthetic as syn
 from parity import assert_bit_identical, selfcheck_mode
@@ -138,12 +139,12 @@ def test_verdict_is_cached_and_rechecked_when_a_key_part_changes(monkeypatch, ow
     changed = PROBE_SETS[1].__class__(**{**PROBE_SETS[1].__dict__, "comfy_source": lambda: "changed"})
     for owner, name, value in ((verdicts.comfy_adapter, "comfyui_version", lambda: "changed"),  # another ComfyUI
                                (verdicts, "pack_source_digest", lambda: "changed"),  # an edited or updated pack
-                               (patch, "PROBE_SETS", (PROBE_SETS[0], changed))):  # changed ComfyUI H3 code
+                               (h3_patch, "probe_sets", (PROBE_SETS[0], changed))):  # changed ComfyUI H3 code
         verdicts.forget_verdicts()
         with monkeypatch.context() as m:
             m.setattr(owner, name, value)
             with pytest.raises(AssertionError, match="cached verdict should have been used"):
-                verdicts.kernel_verdict(CPU, patch.PROBE_SETS, fused_ops)
+                verdicts.kernel_verdict(CPU, h3_patch.probe_sets, fused_ops)
 
 
 def test_force_reruns_and_skip_checks_nothing(monkeypatch):

@@ -19,6 +19,7 @@ import torch
 
 from .. import comfy_adapter
 from ..core.nvfp4_weights import comfy_quant_tag, make_nvfp4_linear, nvfp4_checkpoint_entries, random_weight
+from ..models.h3 import patch as h3_patch
 from ..models.h3.structure import LINEAR_PATHS
 
 __all__ = ["comfy_quant_tag", "make_nvfp4_linear", "nvfp4_checkpoint_entries"]  # builders the tests use from here
@@ -213,3 +214,19 @@ def model_patcher_for(diffusion_model: torch.nn.Module, device=None):
     # size given: ComfyUI would compute it from state_dict(), which refuses inference-mode QuantizedTensors
     return comfy.model_patcher.ModelPatcher(Base(diffusion_model), load_device=device,
                                             offload_device=mm.unet_offload_device(), size=1)
+
+
+def fused_patcher(blocks, scope: str = "block", *, block_check: str = "passed", device=None):
+    """``(patcher, patches)``: a ModelPatcher over ``blocks`` (in a :class:`BlockHolder`) carrying the H3 fusion's
+    object patches, the way ComfyUI applies them (``patcher.patch_model()`` / ``unpatch_model()``).
+    ``block_check``: the first-forward block check's starting state ("passed" skips it)."""
+    holder = BlockHolder(blocks)
+    found = h3_patch.build(holder, scope)
+    if found is None:
+        raise ValueError("no H3 block with an NVFP4 Linear among the blocks")
+    for state in {p.state for p in found.patches.values() if hasattr(p, "state")}:
+        state.block_check = block_check
+    patcher = model_patcher_for(holder, device)
+    for key, value in found.patches.items():
+        patcher.add_object_patch(f"diffusion_model.{key}", value)
+    return patcher, found.patches

@@ -7,12 +7,12 @@ import sys
 
 from ... import comfy_adapter
 from ...core.fallbacks import note_fallback
-from ...core.linear import FusedNVFP4Linear
+from ...core.linear import FusedNVFP4Linear, PackPatch
 from ...core.plan import ForwardPlan, plan_for
 from ...kernels.backend import KernelBuildError
 
 
-class FusedAttention:
+class FusedAttention(PackPatch):
     """``Attention.forward`` of an H3 DiTBlock with comfy-kitchen's ``rms_rope_split_half_`` replaced by the
     bit-identical RMSNorm + RoPE kernel (kernels/cuda_ops.py ``rms_rope_split_half_``) (one read and one write of q and k instead of two reads).
 

@@ -39,7 +39,7 @@ from ... import comfy_adapter
 from ...comfy_adapter import allocation_context
 from ...core.calibration import RecordingForward, recording_paused
 from ...core.fallbacks import note_fallback
-from ...core.linear import FusedNVFP4Linear
+from ...core.linear import FusedNVFP4Linear, PackPatch
 from ...core.plan import ForwardPlan, plan_for
 from ...kernels.backend import KernelBuildError
 from ...layout import Modulation, RmsNorm
@@ -108,7 +108,7 @@ def adaln_rows(adaln, t_emb: torch.Tensor, activated: torch.Tensor | None):
     return type(adaln).forward(_ActivationApplied(adaln), activated)
 
 
-class FusedDiTBlock:
+class FusedDiTBlock(PackPatch):
     """``DiTBlock.forward`` with modulation, RMSNorm, SwiGLU and the gated residuals fused (module docstring)."""
 
     def __init__(self, block, name: str, index: int, attention: FusedAttention, mlp: FusedSwigluMLP,

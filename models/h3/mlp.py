@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from ... import comfy_adapter
-from ...core.linear import FusedNVFP4Linear
+from ...core.linear import FusedNVFP4Linear, PackPatch
 from ...core.plan import ForwardPlan
 from .sources import LinearSource
 
 
-class FusedSwigluMLP:
+class FusedSwigluMLP(PackPatch):
     """``MLP.forward``: ``fc2(silu(gate) * up)`` with the SwiGLU computed inside fc2's reduction and pack.
 
     ``fc1_source`` lets the block hand fc1 its normalized / modulated input description."""
