@@ -6,13 +6,15 @@ Each side (a git commit, or the working tree when NEW_REF is left out) is built 
 every source its kernels/runtime.py lists, with the -D options its kernels/ops.py kernel_defines(source) gives,
 for each arch, and for sm_90a a second time with H3_FUSED_NVFP4_EMULATE_BLACKWELL=1 (the Blackwell path on Hopper).
 Both sides' own runtime.py and ops.py are loaded from their trees, so each uses its own sources, file layout and
-defines. The cubins are disassembled with ``cuobjdump -sass`` and each kernel's listing is compared with the
-kernel of the same name on the other side, ignoring only the file and section names and the listing's headers.
+defines. The cubins are disassembled with ``cuobjdump -sass`` and each kernel's listing (instructions, their
+offsets in the function, encodings and scheduling annotations) is compared with the kernel of the same name on the
+other side, ignoring only the file and section names, the listing's headers and the column padding.
 Kernels that exist on one side only are listed. Exit status 0 when every kernel present on both sides is
 identical, 1 otherwise.
 
-Tools: nvcc (PATH, CUDA_HOME, /usr/local/cuda/bin) unless --compiler nvrtc, and cuobjdump (PATH, CUDA_HOME,
-/usr/local/cuda/bin, or the copy triton ships in its nvidia backend). Needs torch (ops.py imports it).
+Tools: nvcc (the NVCC variable, PATH, CUDA_HOME, /usr/local/cuda/bin) unless --compiler nvrtc, and a cuobjdump that
+knows every arch asked for (the CUOBJDUMP variable, PATH, CUDA_HOME, /usr/local/cuda/bin, or the copy triton ships in
+its nvidia backend; sm_121a needs CUDA 13's). Needs torch (ops.py imports it).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ EMULATE_ENV = "H3_FUSED_NVFP4_EMULATE_BLACKWELL"
 
 
 def _tool(name: str) -> str:
-    found = shutil.which(name)
+    found = os.environ.get(name.upper()) or shutil.which(name)
     if found:
         return found
     homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
@@ -143,7 +145,7 @@ def _sass_by_kernel(cubin: bytes, workdir: pathlib.Path, label: str) -> dict[str
             continue
         if current is None or not line.strip() or HEADER.match(line):
             continue
-        current.append(line.rstrip())
+        current.append(" ".join(line.split()))  # the column padding depends on the longest line of the listing
     return kernels
 
 

@@ -14,14 +14,14 @@
 //
 // Lane mapping of the arithmetic above: comfy-kitchen runs one warp per (token, head), lane l summing elements
 // l + 32 s (s = 0..3). This kernel keeps that arithmetic but not that thread layout (see below): 8 threads per
-// head, each holding 4 lanes' worth, so every register access is 8 bytes wide; one warp-per-head version with
-// 2-byte accesses ran at 66% of copy bandwidth on the H200, 8 threads per head at 77%, and 16-byte accesses (4
-// threads per head) at 56% (register pressure); staging the heads ahead in shared memory (below) brought the
-// 8-thread layout to 85%. Reads and writes each element once (comfy-kitchen reads q and k twice).
+// head, each holding 4 lanes' worth, so every register access is 8 bytes wide: closer to copy bandwidth than one
+// warp per head with 2-byte accesses, and than 16-byte accesses (4 threads per head: register pressure); staging the
+// heads ahead in shared memory (below) brought it closer still. Reads and writes each element once (comfy-kitchen
+// reads q and k twice).
 // Instructions: a (token, quad) cursor instead of two divisions per quad, the staging offsets formed once, the norm
 // weights as fp32 in shared memory, partner values shuffled as fp32 and rotated pairs rounded two per instruction
-// took the sm_90a hot loop from 722 to 596 instructions a quad: ncu 0.602 -> 0.595 ms on the H200, in the block
-// after the qkv GEMM 0.620 -> 0.610 ms (benchmarks/README.md, h200-rope-variants.json).
+// cut the hot loop's instructions a quad by a sixth, which made the kernel faster alone and in the block after the
+// qkv GEMM (benchmarks/README.md, tuning log of the RoPE instructions).
 #include "nvfp4_common.cuh"
 
 // kernels/ops.py passes the shape constants (H3: head_dim 128, rotation over the first 96 dims = 48 pairs) and the
@@ -67,8 +67,8 @@ NVFP4_DEVICE float add_ftz(float a, float b) {
 //
 // Memory pipeline: each warp walks a contiguous range of quads and copies the q and k heads of the quads ahead of
 // the one it works on into shared memory with cp.async (ROPE_STAGES quads in flight, no registers held), so DRAM
-// latency is not waited for once per head; results are stored straight to global memory. Waiting for each head's
-// loads ran at 77% of copy bandwidth on the H200 (benchmarks/README.md).
+// latency is not waited for once per head; results are stored straight to global memory (waiting for each head's
+// loads was further from copy bandwidth, benchmarks/README.md).
 
 #if !defined(ROPE_STAGES) || ROPE_STAGES < 2
 #error "kernels/ops.py passes ROPE_STAGES (>= 2) as a -D option"
