@@ -74,11 +74,12 @@ def kernel_defines(source: str = PACKS) -> tuple:
     source that converts to E2M1 (the packs), and the test-only EXTRA_DEFINES."""
     if source not in _SOURCE_CONSTANTS:
         raise ValueError(f"unknown kernel source {source!r} (kernels: {', '.join(_SOURCE_CONSTANTS)})")
-    base = tuple((name, LAUNCH[name]) for name in _SOURCE_CONSTANTS[source])
+    if source == RMS_ROPE:
+        base = ROPE_DEFINES
+    else:
+        base = tuple((name, LAUNCH[name]) for name in _SOURCE_CONSTANTS[source])
     if source == PACKS:
         base += (("SILU_WINDOW", SILU_WINDOW), ("SILU_WINDOW_LO", SILU_WINDOW_LO))
-    elif source == RMS_ROPE:
-        base = ROPE_DEFINES
     emulate = (("NVFP4_EMULATE_BLACKWELL", 1),) if source == PACKS and emulating_blackwell() else ()
     return base + emulate + tuple(EXTRA_DEFINES)
 
