@@ -1,7 +1,7 @@
 """NVFP4 layouts and the types shared by the CUDA kernels (kernels/), their Python twin (kernels/twin_ops.py) and the
 integration. A leaf module: it imports nothing of this package.
 
-Layouts (must match kernels/nvfp4_common.cuh, comfy-kitchen's quantize_nvfp4 and cuBLASLt's NVFP4 operands):
+Layouts (must match kernels/csrc/nvfp4_common.cuh, comfy-kitchen's quantize_nvfp4 and cuBLASLt's NVFP4 operands):
 
 * qdata ``uint8 [roundup(M, 16), K/2]``, element ``2j`` of a row in the HIGH nibble of byte ``j``;
 * block scales ``float8_e4m3fn [roundup(roundup(M, 16), 128), roundup(K/16, 4)]`` in cuBLAS's 128x4 tiled layout
@@ -35,7 +35,7 @@ def packed_shapes(rows: int, cols: int) -> tuple[tuple[int, int], tuple[int, int
 def swizzled_scale_offset(row, col, padded_scale_cols: int):
     """Byte offset of block scale (row, col) in the 128x4 tiled layout (ints or tensors).
 
-    Must match ``swizzled_scale_offset`` in kernels/nvfp4_common.cuh (tests/test_kernel_build.py checks both)."""
+    Must match ``swizzled_scale_offset`` in kernels/csrc/nvfp4_common.cuh."""
     return (((row // 128) * (padded_scale_cols // 4) + col // 4) * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4
             + col % 4)
 
@@ -68,7 +68,7 @@ class Modulation:
 @dataclass(frozen=True)
 class RmsNorm:
     """An RMSNorm folded into the kernels: ``n = bf16(weight * (rstd[r] * x))``, torch's CUDA ``rms_norm``
-    arithmetic (kernels/nvfp4_pack.cu). ``weight``: bf16 ``[K]``; ``eps``: the module's eps; ``rstd``: fp32 ``[M]``
+    arithmetic (kernels/csrc/residual_norm.cu). ``weight``: bf16 ``[K]``; ``eps``: the module's eps; ``rstd``: fp32 ``[M]``
     written by a norm-statistics kernel earlier on the stream and read by the pack."""
 
     weight: torch.Tensor

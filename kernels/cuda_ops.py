@@ -13,6 +13,8 @@ Public functions (all bit-identical to ComfyUI's stock ops followed by comfy-kit
   with that reason instead of raising in the user's graph).
 
 Layouts: layout.py. Launch shapes: :data:`LAUNCH`, the one source of these values (passed to NVRTC as ``-D``).
+Kernels: kernels/csrc/packs.cu (packs and their global scales), residual_norm.cu (gated residual, norm statistics,
+modulation bounds), h3_rms_rope.cu (RMSNorm + RoPE), built and cached by kernels/runtime.py.
 """
 
 from __future__ import annotations
@@ -28,18 +30,17 @@ from . import runtime
 
 # Launch shapes. The kernels are compiled with these values (kernel_defines) and the grids computed from them.
 LAUNCH = {
-    "PACK_THREADS": 256, "ABSMAX_THREADS": 512, "ITEMS": 1, "PLAIN_ITEMS": 4, "SWIGLU_ITEMS": 1, "SILU_TABLE_THREADS": 1024,
+    "PACK_THREADS": 256, "ABSMAX_THREADS": 512, "PLAIN_ITEMS": 4, "SILU_TABLE_THREADS": 1024,
     "RESIDUAL_THREADS": 256, "ROW_NORM_THREADS": 128, "ROW_NORM_MAX_STEPS": 11, "ROW_NORM_BATCH": 2,
     "RESIDUAL_NORM_THREADS": 64, "RESIDUAL_NORM_BATCH": 6, "RESIDUAL_AMAX_BATCH": 8,
     "RESIDUAL_NORM_MIN_CTAS": 8,  # 8 CTAs x 2 warps per SM: at most 128 registers (9 or 10 spill at these batches)
     "PACK_MIN_CTAS": 5, "PLAIN_MIN_CTAS": 4,  # resident CTAs of 256 threads the packs' register budget keeps on sm_90
-    "SILU_WINDOW_MIN_CTAS": 5,  # the windowed-silu SwiGLU pack (kernels/ops.py silu_window_table)
-    "SWIGLU_SCALE_EVICT_LAST": 1,  # the SwiGLU packs store block scales with L2 evict_last (nvfp4_pack.cu store_scale_byte)
+    "SILU_WINDOW_MIN_CTAS": 5,  # the windowed-silu SwiGLU pack (silu_window_table)
     "SWIGLU_ABSMAX_ITEMS": 3,  # fc1-output chunks in flight per thread of the SwiGLU global scale (3 CTAs of 512 per SM)
-    # the plain pack's unit of work: this many steps (of PLAIN_ITEMS blocks a lane) of a row pair (nvfp4_pack.cu
-    # pack_body); 0 = whole row pairs, as the modulated packs keep
-    "PLAIN_SEGMENT_STEPS": 1,
 }
+# The silu window of the SwiGLU pack (kernels/csrc/nvfp4_common.cuh swiglu_window_x8): |x| in [2^-16, 2^8), i.e. the
+# |x| bit patterns from SILU_WINDOW_LO on, SILU_WINDOW of them (24 binades of 128 values), for each sign.
+SILU_WINDOW_LO, SILU_WINDOW = 0x3780, 0xC00
 ABSMAX_CTAS_PER_SM = 4
 # The RMSNorm + RoPE kernel handles H3's heads only: 128 dims, rotation over the first 96 (48 pairs).
 # Each warp stages ROPE_STAGES quads (4 heads of q and k, 320 bytes a head) in shared memory ahead of its work.
@@ -52,6 +53,14 @@ ROW_NORM_MAX_COLS = 512 * LAUNCH["ROW_NORM_MAX_STEPS"]  # one warp stages a row 
 # in the residual ones half a row of x and of other per warp (22.5 KB a CTA of two warps)
 ROW_NORM_SHARED_BYTES = LAUNCH["ROW_NORM_THREADS"] // 32 * ROW_NORM_MAX_COLS * 2
 RESIDUAL_NORM_SHARED_BYTES = LAUNCH["RESIDUAL_NORM_THREADS"] // 32 * ROW_NORM_MAX_COLS * 2
+# The sources (kernels/csrc) and the -D constants each is built with: only those it uses.
+PACKS, RESIDUAL_NORM, RMS_ROPE = "packs.cu", "residual_norm.cu", "h3_rms_rope.cu"
+_PACK_CONSTANTS = ("ABSMAX_THREADS", "PACK_MIN_CTAS", "PACK_THREADS", "PLAIN_ITEMS", "PLAIN_MIN_CTAS",
+                   "SILU_TABLE_THREADS", "SILU_WINDOW_MIN_CTAS", "SWIGLU_ABSMAX_ITEMS")
+_RESIDUAL_NORM_CONSTANTS = ("RESIDUAL_AMAX_BATCH", "RESIDUAL_NORM_BATCH", "RESIDUAL_NORM_MIN_CTAS",
+                            "RESIDUAL_NORM_THREADS", "RESIDUAL_THREADS", "ROW_NORM_BATCH", "ROW_NORM_MAX_STEPS",
+                            "ROW_NORM_THREADS")
+_SOURCE_CONSTANTS = {PACKS: _PACK_CONSTANTS, RESIDUAL_NORM: _RESIDUAL_NORM_CONSTANTS, RMS_ROPE: ()}
 EMULATE_BLACKWELL_ENV = "H3_FUSED_NVFP4_EMULATE_BLACKWELL"
 EXTRA_DEFINES: tuple = ()  # tests only: planted faults (e.g. (("NVFP4_PLANT_FAULT", 1),))
 
@@ -60,18 +69,27 @@ def emulating_blackwell() -> bool:
     return os.environ.get(EMULATE_BLACKWELL_ENV) == "1"
 
 
-def kernel_defines(source: str = "nvfp4_pack.cu") -> tuple:
-    """The ``-D`` options every build of ``source`` gets."""
-    base = ROPE_DEFINES if source == "h3_rms_rope.cu" else tuple(sorted(LAUNCH.items()))
-    return base + ((("NVFP4_EMULATE_BLACKWELL", 1),) if emulating_blackwell() else ()) + tuple(EXTRA_DEFINES)
+def kernel_defines(source: str = PACKS) -> tuple:
+    """The ``-D`` options every build of ``source`` gets: its launch constants, the Blackwell emulation for the one
+    source that converts to E2M1 (the packs), and the test-only EXTRA_DEFINES."""
+    if source not in _SOURCE_CONSTANTS:
+        raise ValueError(f"unknown kernel source {source!r} (kernels: {', '.join(_SOURCE_CONSTANTS)})")
+    if source == RMS_ROPE:
+        base = ROPE_DEFINES
+    else:
+        base = tuple((name, LAUNCH[name]) for name in _SOURCE_CONSTANTS[source])
+    if source == PACKS:
+        base += (("SILU_WINDOW", SILU_WINDOW), ("SILU_WINDOW_LO", SILU_WINDOW_LO))
+    emulate = (("NVFP4_EMULATE_BLACKWELL", 1),) if source == PACKS and emulating_blackwell() else ()
+    return base + emulate + tuple(EXTRA_DEFINES)
 
 
-def module_for(device: torch.device, source: str = "nvfp4_pack.cu"):
+def module_for(device: torch.device, source: str = PACKS):
     index = device.index if device.index is not None else torch.cuda.current_device()
     return runtime.module(index, source=source, defines=kernel_defines(source))
 
 
-# ---- ctypes mirrors of the kernel parameter structs (must match nvfp4_pack.cu) ----------------------------
+# ---- ctypes mirrors of the kernel parameter structs (must match packs.cu and residual_norm.cu) -------------
 
 
 class _SourceParams(ctypes.Structure):
@@ -227,7 +245,7 @@ def _global_scale_out(device, stream, out: torch.Tensor) -> _GlobalScaleOut:
     return _GlobalScaleOut(_workspace(device, stream).data_ptr(), out.data_ptr())
 
 
-# ---- per-(device, stream) tables of the amax bounds (nvfp4_pack.cu, h3_modulation_bounds) --------------------
+# ---- per-(device, stream) tables of the amax bounds (residual_norm.cu, h3_modulation_bounds) -----------------
 # Stream-ordered reuse: every amax launch rebuilds them right before it, on the same stream.
 
 _bounds: dict[tuple[int, int], torch.Tensor] = {}
@@ -270,12 +288,10 @@ def silu_table(device: torch.device) -> torch.Tensor:
     return table
 
 
-SILU_WINDOW_LO, SILU_WINDOW = 0x3780, 0xC00  # must match nvfp4_common.cuh: |x| in [2^-16, 2^8)
 SILU_WINDOW_SHARED_BYTES = 2 * SILU_WINDOW * 2
-# How the SwiGLU pack gets silu: None picks the whole table where it fits (sm_90, sm_100) and its 12 KB window
-# elsewhere (sm_120 / sm_121: 99 KB of shared memory). H200, fc2's input: table 0.60 ms, window 0.63 ms
-# (benchmarks/h200-load-path-sweep.json run 7), evaluated 1.06 ms (h200-scale-store-sweep.json run 9, before the
-# loads went through L1). Tests force "table", "window" and "evaluated".
+# How the SwiGLU pack gets silu: None picks the whole table where it fits (sm_90, sm_100, sm_103, sm_110: 227 KB of
+# shared memory a CTA) and its 12 KB window elsewhere (sm_120 / sm_121: 99 KB). The table is the faster of the two
+# where both fit (benchmarks/README.md, tuning log of the load paths). Tests force "table" and "window".
 SWIGLU_SILU: str | None = None
 _silu_window_tables: dict[int, torch.Tensor] = {}
 
@@ -387,7 +403,7 @@ def pack_nvfp4(
         params = _AbsmaxParams(src, _global_scale_out(x.device, stream, scalars[0:1]))
         chunks = rows * (k // 8)
         threads = LAUNCH["ABSMAX_THREADS"]
-        items = {"plain": LAUNCH["PLAIN_ITEMS"], "swiglu": LAUNCH["SWIGLU_ABSMAX_ITEMS"]}.get(variant, LAUNCH["ITEMS"])
+        items = {"plain": LAUNCH["PLAIN_ITEMS"], "swiglu": LAUNCH["SWIGLU_ABSMAX_ITEMS"]}.get(variant, 1)  # packs.cu
         per_sm = min(ABSMAX_CTAS_PER_SM, mod.resident_ctas(f"nvfp4_absmax_{variant}", threads, 0))
         grid = max(1, min(-(-chunks // (threads * items)), mod.sm_count * per_sm))
         mod.launch(f"nvfp4_absmax_{variant}", grid, threads, params, stream)
@@ -413,11 +429,12 @@ def pack_nvfp4(
 
 
 def _pack_units(variant: str, rows128: int, groups: int) -> int:
-    """Warp units of work of a pack (nvfp4_pack.cu pack_body): one row of a SwiGLU source, two rows of the modulated
-    ones; for the plain one, segments of PLAIN_SEGMENT_STEPS steps of two rows where they split into whole ones."""
+    """Warp units of work of a pack (packs.cu pack_body): one row of a SwiGLU source, two rows of the modulated
+    ones; for the plain one, single steps (PLAIN_ITEMS blocks a lane, 16 lanes a row) of two rows where the rows
+    split into whole steps (PlainSource::kSegmentSteps), else whole pairs."""
     if variant == "swiglu":
         return rows128
-    seg_lanes = 16 * LAUNCH["PLAIN_ITEMS"] * LAUNCH["PLAIN_SEGMENT_STEPS"] if variant == "plain" else 0
+    seg_lanes = 16 * LAUNCH["PLAIN_ITEMS"] if variant == "plain" else 0
     lanes_per_row = 4 * groups
     segments = lanes_per_row // seg_lanes if seg_lanes and lanes_per_row % seg_lanes == 0 else 1
     return rows128 // 2 * segments
@@ -425,7 +442,7 @@ def _pack_units(variant: str, rows128: int, groups: int) -> int:
 
 def _row_norm_launch(kernel: str, x, norm: RmsNorm, *, other=None, gate=None, mod_index=None,
                      modulation: Modulation | None = None, global_scale_out=None) -> None:
-    mod = module_for(x.device)
+    mod = module_for(x.device, RESIDUAL_NORM)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     params = _RowNormParams(x.data_ptr(), x.stride(0), None, 0, None, 0, None, x.shape[0], x.shape[1],
                             norm.weight.data_ptr(), float(norm.eps), norm.rstd.data_ptr())
@@ -493,7 +510,7 @@ def gated_residual_(x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor, mo
         _row_norm_launch(kernel, x, next_norm, other=other, gate=gate, mod_index=mod_index,
                          modulation=next_modulation, global_scale_out=global_scale_out)
         return x
-    mod = module_for(x.device)
+    mod = module_for(x.device, RESIDUAL_NORM)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     params = _GatedResidualParams(
         x.data_ptr(), x.stride(0), other.data_ptr(), other.stride(0), gate.data_ptr(), gate.stride(0),
@@ -506,7 +523,7 @@ def gated_residual_(x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor, mo
     return x
 
 
-# ---- per-head RMSNorm + split-half RoPE (kernels/h3_rms_rope.cu) -------------------------------------------
+# ---- per-head RMSNorm + split-half RoPE (kernels/csrc/h3_rms_rope.cu) --------------------------------------
 
 class _RmsRopeParams(ctypes.Structure):
     _fields_ = [
@@ -544,7 +561,7 @@ def rms_rope_split_half_(q, k, freqs, q_weight, k_weight, epsilon: float, rot_di
     reason = rms_rope_support(q, k, freqs, q_weight, k_weight, rot_dim)
     if reason is not None:
         raise ValueError(reason)
-    mod = module_for(q.device, "h3_rms_rope.cu")
+    mod = module_for(q.device, RMS_ROPE)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     tokens, heads = q.shape[1], q.shape[2]
     params = _RmsRopeParams(q.data_ptr(), k.data_ptr(), q.stride(1), freqs.data_ptr(), q_weight.data_ptr(),

@@ -1,6 +1,7 @@
 """Build and launch the CUDA kernels without a CUDA toolkit.
 
-The ``.cu`` sources in this folder are compiled at first use with NVRTC for the exact architecture of the GPU
+The ``.cu`` sources in ``csrc/`` (one per kernel family: packs.cu, residual_norm.cu, h3_rms_rope.cu, with their
+shared device code in nvfp4_common.cuh) are compiled at first use with NVRTC for the exact architecture of the GPU
 (``sm_<major><minor>a``: the arch-specific target enables sm_100+/sm_120+ instructions such as the E2M1
 conversion), cached on disk, loaded with the CUDA driver API and launched on torch's current stream.
 
@@ -14,7 +15,7 @@ does not match (truncated, corrupt) or that the driver refuses is rebuilt, not l
 front.
 
 ``H3_FUSED_NVFP4_EMULATE_BLACKWELL=1`` builds the Blackwell code path with a software model of its Blackwell-only
-instructions (nvfp4_common.cuh), for running the GPU parity suite on a Hopper development GPU.
+instructions (csrc/nvfp4_common.cuh), for running the GPU parity suite on a Hopper development GPU.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ import threading
 
 log = logging.getLogger("h3_fused_nvfp4")
 
-KERNEL_DIR = pathlib.Path(__file__).resolve().parent
+KERNEL_DIR = pathlib.Path(__file__).resolve().parent / "csrc"
 HEADERS = ("nvfp4_common.cuh",)
-SOURCES = ("nvfp4_pack.cu", "h3_rms_rope.cu")
+SOURCES = ("packs.cu", "residual_norm.cu", "h3_rms_rope.cu")  # the first: the default of the functions below
 CACHE_SCHEMA = 2
 CUBIN_TRAILER = b"H3FN"  # + 32-byte SHA-256 of the cubin
 # Arch-specific targets we build for; sm_90a is the Hopper development target (software E2M1).
@@ -183,7 +184,7 @@ def _nvrtc_compile(arch: str, source: str, defines: tuple, get_size: str, get_da
 def compile_cubin(arch: str, source: str = SOURCES[0], defines: tuple = ()) -> bytes:
     """Compile one source for ``arch`` (e.g. ``"sm_121a"``) with NVRTC and return the cubin bytes.
 
-    ``defines``: ``((name, value), ...)`` tuning overrides passed as ``-D`` (benchmarks only)."""
+    ``defines``: ``((name, value), ...)`` passed as ``-D`` (kernels/cuda_ops.py kernel_defines: the launch constants)."""
     return _nvrtc_compile(arch, source, defines, "nvrtcGetCUBINSize", "nvrtcGetCUBIN")
 
 
@@ -307,7 +308,7 @@ def atomic_write(path: pathlib.Path, data: bytes) -> None:
 
 
 def cached_cubin(arch: str, source: str = SOURCES[0], defines: tuple = ()) -> bytes:
-    """``source``: a file name in this folder, or an absolute path (test kernels that include our headers)."""
+    """``source``: a file name in KERNEL_DIR, or an absolute path (test kernels that include our headers)."""
     path = cubin_cache_path(arch, source, defines)
     cubin = _read_cached(path)
     if cubin is not None:

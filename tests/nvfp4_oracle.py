@@ -15,7 +15,7 @@ executes for every 16-element block of a row, with ``x`` bf16 and ``g`` the fp32
 Every fp32 multiply is ``.ftz``: subnormal operands and results become zeros of the same sign, so bf16
 subnormal inputs quantize to (signed) zero codes.
 
-Layout (layout.py; must match ``kernels/nvfp4_common.cuh``):
+Layout (layout.py; must match ``kernels/csrc/nvfp4_common.cuh``):
   * qdata ``uint8 [roundup(M, 16), K/2]``, element ``2j`` of a row in the HIGH nibble of byte ``j``;
     rows ``M .. roundup(M,16)`` are packed from zeros with the real ``g``.
   * block scales ``float8_e4m3fn [roundup(roundup(M,16), 128), roundup(K/16, 4)]`` in cuBLAS's 128x4

@@ -25,13 +25,20 @@ from conftest import requires_cuda
 SOURCE = str(pathlib.Path(__file__).resolve().parent / "kernels" / "arith_check.cu")
 
 
+def arith_defines() -> tuple:
+    """The -D options of the checks: the silu window, defined once in kernels/ops.py."""
+    from h3_fused_nvfp4.kernels import ops
+
+    return (("SILU_WINDOW", ops.SILU_WINDOW), ("SILU_WINDOW_LO", ops.SILU_WINDOW_LO))
+
+
 def _run(kernel: str, *extra: torch.Tensor) -> tuple[int, int]:
     """Launch ``kernel(u32* mismatches, u32* first_bad, extra...)`` over its input space; return both counters."""
     from h3_fused_nvfp4.kernels import runtime
 
     if runtime.device_arch(0) not in runtime.SUPPORTED_ARCHS:
         pytest.skip(f"no kernels for {runtime.device_arch(0)}")
-    mod = runtime.module(0, source=SOURCE)
+    mod = runtime.module(0, source=SOURCE, defines=arith_defines())
     out = torch.tensor([0, -1], dtype=torch.int32, device="cuda")  # mismatch count, first failing input
     pointers = [ctypes.c_void_p(out.data_ptr()), ctypes.c_void_p(out.data_ptr() + 4),
                 *(ctypes.c_void_p(t.data_ptr()) for t in extra)]

@@ -77,10 +77,10 @@ def test_cached_cubin_the_driver_refuses_is_rebuilt(monkeypatch, tmp_path):
     monkeypatch.setenv("H3_FUSED_NVFP4_CACHE", str(tmp_path / "cache"))
     defines = ops.kernel_defines() + (("NVFP4_CACHE_TEST", 1),)  # a key no other test uses
     arch = runtime.device_arch(0)
-    path = runtime.cubin_cache_path(arch, "nvfp4_pack.cu", defines)
+    path = runtime.cubin_cache_path(arch, "packs.cu", defines)
     garbage = b"\x7fELF not a cubin"
     runtime.atomic_write(path, garbage + runtime.CUBIN_TRAILER + __import__("hashlib").sha256(garbage).digest())
-    mod = runtime.Module(0, "nvfp4_pack.cu", defines)  # loads, finds the driver refusing it, rebuilds
+    mod = runtime.Module(0, "packs.cu", defines)  # loads, finds the driver refusing it, rebuilds
     assert mod.function("nvfp4_pack_plain")
     assert runtime._read_cached(path) != garbage
 

@@ -6,12 +6,18 @@
 * PTX: sm_100a and later use the hardware E2M1 conversion, sm_90a the software path.
 * The Blackwell-path build for Hopper (NVFP4_EMULATE_BLACKWELL): no E2M1 instruction on sm_90a, and no effect on
   targets that have the instruction.
+* Each source gets exactly the launch constants it uses (kernels/ops.py kernel_defines), and every constant of
+  kernels/ops.py LAUNCH is used by some source.
+* The test kernels of tests/kernels build with the constants their tests pass.
 * The on-disk cubin cache: atomic writes, hits, keys that change with the sources, corrupt files rebuilt.
+
+scripts/compare_kernel_sass.py OLD_REF compares the SASS of every kernel against an older build.
 """
 
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -20,25 +26,19 @@ import pytest
 
 from h3_fused_nvfp4.kernels import cuda_ops as ops, runtime
 
-# The entry points kernels/ops.py looks up by name (every source's entry points are checked; these must exist).
-PACK_SOURCE = "nvfp4_pack.cu"
-KERNELS = (
-    "nvfp4_absmax_plain",
-    "nvfp4_absmax_modulate",
-    "nvfp4_absmax_swiglu",
-    "nvfp4_pack_plain",
-    "nvfp4_pack_modulate",
-    "nvfp4_pack_norm_modulate",
-    "nvfp4_pack_swiglu",
-    "nvfp4_pack_swiglu_table",
-    "nvfp4_pack_swiglu_window",
-    "h3_gated_residual",
-    "h3_row_norm_stats",
-    "h3_row_norm_amax",
-    "h3_row_norm_residual_stats",
-    "h3_row_norm_residual_amax",
-    "h3_modulation_bounds",
-)
+# The entry points kernels/ops.py looks up by name, per source (every source's entry points are checked; these must
+# exist).
+PACK_SOURCE = "packs.cu"
+KERNELS_BY_SOURCE = {
+    PACK_SOURCE: ("nvfp4_absmax_plain", "nvfp4_absmax_modulate", "nvfp4_absmax_swiglu", "nvfp4_pack_plain",
+                  "nvfp4_pack_modulate", "nvfp4_pack_norm_modulate", "nvfp4_pack_swiglu_table",
+                  "nvfp4_pack_swiglu_window"),
+    "residual_norm.cu": ("h3_gated_residual", "h3_row_norm_stats", "h3_row_norm_amax", "h3_row_norm_residual_stats",
+                         "h3_row_norm_residual_amax", "h3_modulation_bounds"),
+    "h3_rms_rope.cu": ("h3_rms_rope_split_half",),
+}
+KERNELS = KERNELS_BY_SOURCE[PACK_SOURCE]
+ARITH_SOURCE = pathlib.Path(__file__).resolve().parent / "kernels" / "arith_check.cu"
 EMULATE = (("NVFP4_EMULATE_BLACKWELL", 1),)
 # Targets that must build (GB10 and RTX 50 are sm_121/sm_120, B200 sm_100, H200 the sm_90 development target).
 REQUIRED_ARCHS = ("sm_90a", "sm_100a", "sm_120a", "sm_121a")
@@ -51,13 +51,41 @@ def _entry_points(source: str) -> set[str]:
 
 
 def test_sources_define_the_kernels():
-    assert PACK_SOURCE in runtime.SOURCES
-    assert set(KERNELS) <= _entry_points(PACK_SOURCE), f"missing from {PACK_SOURCE}: {set(KERNELS) - _entry_points(PACK_SOURCE)}"
-    for source in runtime.SOURCES:
-        assert _entry_points(source), f"no extern \"C\" __global__ entry point found in {source}"
+    assert set(KERNELS_BY_SOURCE) == set(runtime.SOURCES) and runtime.SOURCES[0] == PACK_SOURCE
+    for source, kernels in KERNELS_BY_SOURCE.items():
+        found = _entry_points(source)
+        assert set(kernels) == found, f"{source}: expected {sorted(kernels)}, found {sorted(found)}"
     unlisted = sorted(p.name for p in runtime.KERNEL_DIR.glob("*.cu") if p.name not in runtime.SOURCES)
-    assert not unlisted, f"kernels/ sources not in runtime.SOURCES (never built or cached): {unlisted}"
+    assert not unlisted, f"kernels/csrc sources not in runtime.SOURCES (never built or cached): {unlisted}"
+    assert not list(runtime.KERNEL_DIR.parent.glob("*.cu*")), "CUDA sources belong in kernels/csrc"
+    headers = sorted(p.name for p in runtime.KERNEL_DIR.glob("*.cuh"))
+    assert headers == sorted(runtime.HEADERS), f"headers {headers} vs runtime.HEADERS {runtime.HEADERS}"
     assert set(REQUIRED_ARCHS) <= set(runtime.SUPPORTED_ARCHS)
+
+
+def _macros_used(text: str) -> set[str]:
+    return set(re.findall(r"\b[A-Z][A-Z0-9_]+\b", re.sub(r"//[^\n]*", "", text)))
+
+
+@pytest.mark.parametrize("source", runtime.SOURCES)
+def test_each_source_gets_the_constants_it_uses(source, monkeypatch):
+    """kernel_defines(source): the LAUNCH / shape constants the source (or the shared header, for what the source
+    calls) names, and no others; every LAUNCH constant goes to some source."""
+    monkeypatch.delenv(ops.EMULATE_BLACKWELL_ENV, raising=False)
+    names = {name for name, _ in ops.kernel_defines(source)}
+    text = (runtime.KERNEL_DIR / source).read_text()
+    used = _macros_used(text)
+    if source == PACK_SOURCE:  # the silu window lookup of the shared header
+        used |= {"SILU_WINDOW", "SILU_WINDOW_LO"}
+    assert names <= used, f"{source} is built with constants it does not use: {sorted(names - used)}"
+    launch_like = set(ops.LAUNCH) | {"SILU_WINDOW", "SILU_WINDOW_LO"} | {name for name, _ in ops.ROPE_DEFINES}
+    missing = sorted((used & launch_like) - names)
+    assert not missing, f"{source} uses {missing} but kernel_defines does not pass them"
+    every = {name for s in runtime.SOURCES for name, _ in ops.kernel_defines(s)}
+    assert set(ops.LAUNCH) <= every, f"LAUNCH constants no source uses: {sorted(set(ops.LAUNCH) - every)}"
+    monkeypatch.setenv(ops.EMULATE_BLACKWELL_ENV, "1")
+    emulated = ops.kernel_defines(source)
+    assert (("NVFP4_EMULATE_BLACKWELL", 1) in emulated) == (source == PACK_SOURCE), emulated
 
 
 # ---- NVRTC -----------------------------------------------------------------------------------------------
@@ -89,6 +117,18 @@ def test_sources_refuse_to_build_without_the_launch_constants():
             runtime.compile_cubin("sm_90a", source)
 
 
+def test_arith_check_kernels_build():
+    """tests/kernels/arith_check.cu (the exhaustive GPU checks of tests/test_gpu_arith.py) builds with the
+    constants that test passes."""
+    _require_nvrtc()
+    from test_gpu_arith import arith_defines
+
+    cubin = runtime.compile_cubin("sm_90a", str(ARITH_SOURCE), arith_defines())
+    for kernel in ("check_bf16x2_ops", "check_e2m1_codes", "check_silu", "check_silu_window_aligned",
+                   "check_silu_window_straddling"):
+        assert kernel.encode() + b"\0" in cubin, kernel
+
+
 @pytest.mark.parametrize("source", runtime.SOURCES)
 @pytest.mark.parametrize("arch", runtime.SUPPORTED_ARCHS)
 def test_nvrtc_builds_every_kernel(arch, source):
@@ -118,7 +158,8 @@ def test_ptx_uses_hardware_e2m1_from_sm100(arch):
 
 def test_blackwell_path_builds_for_hopper_with_modelled_instructions():
     """NVFP4_EMULATE_BLACKWELL compiles the sm_100+ code path on sm_90a with the E2M1 instruction modelled in
-    software (so the GPU suite can run it on a Hopper GPU); on Blackwell targets it changes nothing."""
+    software (so the GPU suite can run it on a Hopper GPU); on Blackwell targets it changes nothing. The other sources
+    have no E2M1 code: kernel_defines does not pass it to them."""
     _require_nvrtc()
     hopper = runtime.compile_ptx("sm_90a", PACK_SOURCE, ops.kernel_defines())
     emulated = runtime.compile_ptx("sm_90a", PACK_SOURCE, ops.kernel_defines() + EMULATE)
@@ -203,7 +244,7 @@ def test_cache_writes_atomically_then_hits(fake_build, monkeypatch):
     first = runtime.cached_cubin("sm_121a")
     assert len(calls) == 1
     files = _cached_files(cache)
-    assert len(files) == 1 and files[0].startswith("nvfp4_pack-sm_121a-") and files[0].endswith(".cubin"), files
+    assert len(files) == 1 and files[0].startswith("packs-sm_121a-") and files[0].endswith(".cubin"), files
     assert (cache / files[0]).read_bytes()[:len(first)] == first  # + the integrity trailer
     # Written to a temporary file in the same folder, then renamed over the final name (atomic on POSIX).
     assert len(renames) == 1
@@ -232,7 +273,7 @@ def test_cache_key_follows_sources_options_and_arch(fake_build, monkeypatch):
     after_edit = set(_cached_files(cache))
     assert len(after_edit) == 2 and names < after_edit
 
-    runtime.cached_cubin("sm_100a", defines=(("ITEMS", "2"),))
+    runtime.cached_cubin("sm_100a", defines=(("PLAIN_ITEMS", "2"),))
     runtime.cached_cubin("sm_120a")
     monkeypatch.setattr(runtime, "nvrtc_version", lambda: (13, 1))
     runtime.cached_cubin("sm_120a")

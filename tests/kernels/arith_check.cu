@@ -5,6 +5,7 @@
 //   * swiglu_window_x8 (silu looked up in a window of that table, evaluated outside it) == the same, every bf16
 //     gate, in groups of 16 consecutive bit patterns (each group in or out of the window) and shifted by 8 (groups
 //     straddling the window's ends).
+// Built with -D SILU_WINDOW and SILU_WINDOW_LO from kernels/ops.py (tests/test_gpu_arith.py arith_defines).
 #include "nvfp4_common.cuh"
 
 // The rules, value by value: count the rounding boundaries below |v|, ties toward the even code (> vs >=),

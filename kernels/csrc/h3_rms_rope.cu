@@ -14,20 +14,20 @@
 //
 // Lane mapping of the arithmetic above: comfy-kitchen runs one warp per (token, head), lane l summing elements
 // l + 32 s (s = 0..3). This kernel keeps that arithmetic but not that thread layout (see below): 8 threads per
-// head, each holding 4 lanes' worth, so every register access is 8 bytes wide; one warp-per-head version with
-// 2-byte accesses ran at 66% of copy bandwidth on the H200, 8 threads per head at 77%, and 16-byte accesses (4
-// threads per head) at 56% (register pressure); staging the heads ahead in shared memory (below) brought the
-// 8-thread layout to 85%. Reads and writes each element once (comfy-kitchen reads q and k twice).
+// head, each holding 4 lanes' worth, so every register access is 8 bytes wide: closer to copy bandwidth than one
+// warp per head with 2-byte accesses, and than 16-byte accesses (4 threads per head: register pressure); staging the
+// heads ahead in shared memory (below) brought it closer still. Reads and writes each element once (comfy-kitchen
+// reads q and k twice).
 // Instructions: a (token, quad) cursor instead of two divisions per quad, the staging offsets formed once, the norm
 // weights as fp32 in shared memory, partner values shuffled as fp32 and rotated pairs rounded two per instruction
-// took the sm_90a hot loop from 722 to 596 instructions a quad: ncu 0.602 -> 0.595 ms on the H200, in the block
-// after the qkv GEMM 0.620 -> 0.610 ms (benchmarks/README.md, h200-rope-variants.json).
+// cut the hot loop's instructions a quad by a sixth, which made the kernel faster alone and in the block after the
+// qkv GEMM (benchmarks/README.md, tuning log of the RoPE instructions).
 #include "nvfp4_common.cuh"
 
-// kernels/ops.py passes the shape constants (H3: head_dim 128, rotation over the first 96 dims = 48 pairs) and the
+// kernels/cuda_ops.py passes the shape constants (H3: head_dim 128, rotation over the first 96 dims = 48 pairs) and the
 // launch shape; the code below is written for exactly these values.
 #if !defined(ROPE_HEAD_DIM) || !defined(ROPE_ROT_DIM) || !defined(ROPE_THREADS) || !defined(ROPE_THREADS_PER_HEAD)
-#error "kernels/ops.py passes ROPE_HEAD_DIM, ROPE_ROT_DIM, ROPE_THREADS and ROPE_THREADS_PER_HEAD as -D options"
+#error "kernels/cuda_ops.py passes ROPE_HEAD_DIM, ROPE_ROT_DIM, ROPE_THREADS and ROPE_THREADS_PER_HEAD as -D options"
 #endif
 #if ROPE_HEAD_DIM != 128 || ROPE_ROT_DIM != 96 || ROPE_THREADS_PER_HEAD != 8
 #error "the lane mapping below is written for 128-dim heads, 96 rotated dims and 8 threads per head"
@@ -67,11 +67,11 @@ NVFP4_DEVICE float add_ftz(float a, float b) {
 //
 // Memory pipeline: each warp walks a contiguous range of quads and copies the q and k heads of the quads ahead of
 // the one it works on into shared memory with cp.async (ROPE_STAGES quads in flight, no registers held), so DRAM
-// latency is not waited for once per head; results are stored straight to global memory. Waiting for each head's
-// loads ran at 77% of copy bandwidth on the H200 (benchmarks/README.md).
+// latency is not waited for once per head; results are stored straight to global memory (waiting for each head's
+// loads was further from copy bandwidth, benchmarks/README.md).
 
 #if !defined(ROPE_STAGES) || ROPE_STAGES < 2
-#error "kernels/ops.py passes ROPE_STAGES (>= 2) as a -D option"
+#error "kernels/cuda_ops.py passes ROPE_STAGES (>= 2) as a -D option"
 #endif
 #define ROPE_HEAD_BYTES (ROPE_HEAD_DIM * 2)
 // A staged head takes 320 bytes: with 256 the four groups of a warp would read the same banks (4-way conflicts).
@@ -207,7 +207,7 @@ NVFP4_DEVICE void stage_quad(const RmsRopeParams& p, QuadCursor at, const StageL
 
 extern __shared__ __align__(16) u8 rope_stages[];
 
-// q, k rows 16-byte aligned, norm weights and rope table 8-byte aligned (kernels/ops.py checks).
+// q, k rows 16-byte aligned, norm weights and rope table 8-byte aligned (kernels/cuda_ops.py checks).
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS) h3_rms_rope_split_half(const RmsRopeParams p) {
     const u32 lane = threadIdx.x & 31, t = lane % ROPE_THREADS_PER_HEAD, group = lane / ROPE_THREADS_PER_HEAD;
     const u32 group_mask = 0xFFu << (lane & ~7u);

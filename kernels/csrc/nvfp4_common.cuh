@@ -13,8 +13,9 @@
 // rounding argument is spelled out there and tests/test_gpu_arith.py checks it on every fp32 input.
 // The Python twin of this routine is tests/nvfp4_oracle.py; keep the two in step.
 //
-// Everything else (the elementwise prologues in nvfp4_pack.cu) reproduces PyTorch's own CUDA arithmetic and is
-// compiled WITHOUT fast math: plain IEEE fp32 with denormals, explicit _rn intrinsics so nothing is contracted.
+// Everything else (the elementwise prologues in packs.cu, the residual and norm statistics in residual_norm.cu)
+// reproduces PyTorch's own CUDA arithmetic and is compiled WITHOUT fast math: plain IEEE fp32 with denormals,
+// explicit _rn intrinsics so nothing is contracted.
 //
 // The file is self-contained (no CUDA headers) so that NVRTC can compile it on a machine without a toolkit.
 #pragma once
@@ -148,24 +149,25 @@ NVFP4_DEVICE u32 swiglu_evaluated_x2(u32 gate, u32 up) {
 }
 
 // The same for 8 words with silu looked up in a window of torch's silu table: |x| in [2^-16, 2^8) for both signs,
-// SILU_WINDOW entries each (positive x first; kernels/ops.py silu_window_table slices it from torch's silu of every
+// SILU_WINDOW entries each (positive x first; kernels/cuda_ops.py silu_window_table slices it from torch's silu of every
 // bf16 value). If any of the 16 gates is outside the window (tiny, huge, inf or NaN: rare in activations) all are
 // evaluated. v = gate - LO per half keeps the sign in bit 15 and |x| - LO in bits 0-14; a low half below LO borrows
 // from the high half but is itself outside the window, so the words are evaluated. A half is in the window iff
 // (v & 0x7FFF) < SILU_WINDOW. tests/test_gpu_arith.py checks every bf16 gate, in aligned and straddling groups.
-#define SILU_WINDOW_LO 0x3780u  // |x| bits of 2^-16
-#define SILU_WINDOW 0xC00u      // up to 2^8: 24 binades of 128 values
+// SILU_WINDOW_LO (the |x| bits of 2^-16) and SILU_WINDOW (entries up to 2^8: 24 binades of 128 values) are defined
+// once, in kernels/cuda_ops.py, and passed as -D options to the sources that use the window (packs.cu).
+#if defined(SILU_WINDOW_LO) && defined(SILU_WINDOW)
 NVFP4_DEVICE u32 silu_window_offset(u32 v16) {  // byte offset of the entry of v's half
-    return 2u * (v16 & 0x7FFFu) + (v16 >> 15) * (2u * SILU_WINDOW);
+    return 2u * (v16 & 0x7FFFu) + (v16 >> 15) * (2u * (u32)SILU_WINDOW);
 }
 NVFP4_DEVICE void swiglu_window_x8(const u32 g[8], const u32 u[8], const u16* window, u32 w[8]) {
     u32 v[8], outside = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-        v[i] = g[i] - (SILU_WINDOW_LO | (SILU_WINDOW_LO << 16));
+        v[i] = g[i] - ((u32)SILU_WINDOW_LO | ((u32)SILU_WINDOW_LO << 16));
         outside = __vmaxu2(outside, v[i] & 0x7FFF7FFFu);
     }
-    if (max(outside & 0xFFFFu, outside >> 16) >= SILU_WINDOW) {
+    if (max(outside & 0xFFFFu, outside >> 16) >= (u32)SILU_WINDOW) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) w[i] = swiglu_evaluated_x2(g[i], u[i]);
         return;
@@ -178,6 +180,7 @@ NVFP4_DEVICE void swiglu_window_x8(const u32 g[8], const u32 u[8], const u16* wi
         w[i] = bf16x2_mul(lo | (hi << 16), u[i]);
     }
 }
+#endif
 
 // torch.amax semantics for the global scale: NaN wins. On |x| bit patterns (sign cleared) an unsigned
 // compare orders every NaN above +inf, so an integer max is exact and NaN-propagating.
@@ -371,9 +374,65 @@ NVFP4_DEVICE void quantize_block16(const u32 w[8], float g, float rcp_g, u32& sc
     hi = encode8(w + 4, bs.encode);
 }
 
-// ---- swizzled block-scale layout (must match tests/nvfp4_oracle.py::swizzled_scale_offset) -------------------
+// ---- swizzled block-scale layout (must match layout.py swizzled_scale_offset) ------------------------------
 // cuBLASLt's 1x16 block-scale layout: 128-row x 4-column tiles of 512 bytes; inside a tile, row r sits at
 // (r % 32) * 16 + (r % 128) / 32 * 4 and column c at c % 4.
 NVFP4_DEVICE u32 swizzled_scale_offset32(u32 row, u32 col, u32 padded_scale_cols) {
     return ((row >> 7) * (padded_scale_cols >> 2) + (col >> 2)) * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4 + (col & 3);
+}
+
+// ---- shared by the packs (packs.cu) and the row-norm kernels (residual_norm.cu) --------------------------------
+
+// cp.async groups: issue every copy, then one wait (a load-then-store loop waits for L2 once per iteration).
+NVFP4_DEVICE void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+NVFP4_DEVICE void wait_copies() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// The adaLN modulation of bf16x2 words: ComfyUI's h.mul_(1.0 + scale[m]).add_(shift[m]) on bf16 tensors, three
+// bf16 roundings, each one bf16x2 operation (see the bf16x2 arithmetic above), two values per instruction.
+NVFP4_DEVICE u32 modulate_x2(u32 x, u32 scale, u32 shift) {
+    return bf16x2_add(bf16x2_mul(x, bf16x2_add(BF16X2_ONE, scale)), shift);
+}
+
+// torch's rms_norm output element pair: bf16(w * (rstd * x)), two separately rounded fp32 products.
+NVFP4_DEVICE u32 rms_norm_x2(u32 x, u32 w, float rstd) {
+    return pack_bf16x2(__fmul_rn(bf16_lo(w), __fmul_rn(rstd, bf16_lo(x))),
+                       __fmul_rn(bf16_hi(w), __fmul_rn(rstd, bf16_hi(x))));
+}
+
+// Where a grid-wide amax lands: {amax bits, finished-CTA counter} (zero between launches, re-armed by the last
+// CTA) and the global scale g it becomes.
+struct GlobalScaleOut {
+    u32* workspace;
+    float* global_scale;
+};
+
+// Block reduction of the per-thread |h| maxima (bf16x2 bit patterns of |h|), then the last CTA to finish turns the
+// grid's max into ComfyUI's dynamic global scale g = fp32(bf16(amax * fp32(1/2688))) and re-arms the workspace, so
+// no host sync is needed: the pack reads g from memory. Every thread of the CTA must call it.
+template <int Threads>
+__device__ __forceinline__ void absmax_finish(const GlobalScaleOut& out, u32 acc) {
+    u32 m = max(acc & 0xFFFFu, acc >> 16);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+
+    __shared__ u32 warp_max[Threads / 32];
+    __shared__ bool is_last;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) warp_max[warp] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 block_max = 0;
+        for (int i = 0; i < Threads / 32; ++i) block_max = max(block_max, warp_max[i]);
+        atomicMax(&out.workspace[0], block_max);
+        __threadfence();  // publish this CTA's max before counting it as finished
+        is_last = atomicAdd(&out.workspace[1], 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (is_last && threadIdx.x == 0) {
+        __threadfence();
+        u32 amax_bits = atomicExch(&out.workspace[0], 0u);
+        out.workspace[1] = 0;  // re-arm for the next launch on this stream
+        // torch: (amax_bf16 / 2688.0) -> bf16 computed as fp32(amax) * fp32(1/2688), then .to(float32)
+        out.global_scale[0] = bf16_to_f32(f32_to_bf16(__fmul_rn(bf16_to_f32((u16)amax_bits), 1.0f / 2688.0f)));
+    }
 }

@@ -1,0 +1,429 @@
+// Gated residual and RMSNorm statistics for the MiniMax H3 block, and the bounds of the amax pass:
+//   h3_gated_residual   x[r] += other[r] * gate[m] in place (ComfyUI's per-segment addcmul_), m = mod_index[r].
+//   h3_row_norm_*       RMSNorm statistics of x (optionally first updated by the gated residual): rstd[r] with
+//                       torch's CUDA rms_norm arithmetic, and optionally the amax of the modulated, normalized rows
+//                       (the next projection's global scale, see packs.cu), so torch's norm never writes its output.
+//   h3_modulation_bounds per modulation row, the bounds that let the amax pass skip columns that cannot raise the
+//                       maximum (see bounded_amax).
+// Each bf16() below is one round-to-nearest-even where PyTorch rounds, with IEEE fp32 between (no fast math).
+//
+// torch's rms_norm (vectorized_layer_norm_kernel<BFloat16, float, rms=true>, identical arithmetic in torch 2.9.0 to
+// 2.15.0; kernels/cuda_ops.py rms_norm_support and the first-use self-check guard it): one CTA of 128 threads per row;
+// logical thread t sums the squares of the 4-element vectors t, t + 128, ... (fma.rn from 0, elements in order);
+// a shfl_down tree 16, 8, 4, 2, 1 of add.rn per warp; S = (W0 + W2) + (W1 + W3); var = div.rn(S, float(K));
+// rstd = rsqrt.approx.f32(add.rn(var, float(eps))) (non-ftz); n = bf16(mul.rn(w, mul.rn(rstd, x))). Here one warp
+// (h3_row_norm_stats / _amax) or two (the residual kernels) hold a row, each lane four or two of torch's logical
+// threads (row_norm_body and residual_norm_body say which), so the partial sums and the tree replay torch's exactly.
+//
+// Requirements checked on the host (kernels/cuda_ops.py): K % 16 == 0 (% 8 for h3_gated_residual), 16-byte aligned rows
+// and tables.
+#include "nvfp4_common.cuh"
+
+// Launch shape: kernels/cuda_ops.py (LAUNCH) is the one source of these values and passes them as -D options.
+#if !defined(RESIDUAL_THREADS) || !defined(ROW_NORM_THREADS) || !defined(ROW_NORM_MAX_STEPS) ||                      \
+    !defined(ROW_NORM_BATCH) || !defined(RESIDUAL_NORM_THREADS) || !defined(RESIDUAL_NORM_BATCH) ||                   \
+    !defined(RESIDUAL_AMAX_BATCH) || !defined(RESIDUAL_NORM_MIN_CTAS)
+#error "kernels/cuda_ops.py passes the launch constants (ROW_NORM_THREADS, ROW_NORM_MAX_STEPS, ...) as -D options"
+#endif
+
+
+struct GatedResidualParams {
+    u16* x;                 // residual stream, updated in place
+    i64 x_row_stride;
+    const u16* other;       // attention / MLP output
+    i64 other_row_stride;
+    const u16* gate;        // bf16 adaLN gate rows
+    i64 gate_row_stride;
+    const i32* mod_index;
+    i64 rows;
+    i64 cols;
+};
+
+struct RowNormParams {
+    u16* x;                  // residual stream [rows, cols], updated in place by the residual variants
+    i64 x_row_stride;
+    const u16* other;        // residual variants: attention / MLP output, and the bf16 gate rows
+    i64 other_row_stride;
+    const u16* gate;
+    i64 gate_row_stride;
+    const i32* mod_index;    // modulation row of each token (gate, scale and shift tables)
+    i64 rows;
+    i64 cols;                // K: a multiple of 16, at most 512 * ROW_NORM_MAX_STEPS
+    const u16* norm_weight;  // bf16 [K]
+    float eps;
+    float* rstd;             // out: fp32 [rows]
+    const u16* mod_scale;    // amax variants: the next projection's modulation tables
+    const u16* mod_shift;
+    i64 mod_row_stride;
+    GlobalScaleOut out;      // amax variants
+    const u16* bound_scale;  // amax variants: h3_modulation_bounds of (norm_weight, mod_scale, mod_shift)
+    const u16* bound_shift;
+};
+
+struct ModBoundsParams {
+    const u16* norm_weight;  // bf16 [K]
+    const u16* mod_scale;    // bf16 modulation rows [R, K], row stride mod_row_stride
+    const u16* mod_shift;
+    i64 mod_row_stride;
+    i64 table_rows;          // R
+    i64 cols;                // K
+    u16* bound_scale;        // out: bf16 [R, K], |w| |bf16(1 + scale)| rounded up (NaN stays NaN)
+    u16* bound_shift;        // out: bf16 [R, K / 8], max |shift| of each 8 columns
+};
+
+// ---- gated residual --------------------------------------------------------------------------------------
+
+// torch's addcmul_ in fp32 opmath. The product of two bf16 values is exact in fp32, so a fused or a separate
+// multiply-add round identically: one rounding of the sum, then one to bf16.
+__device__ __forceinline__ float gated_add(float x, float o, float gate) {
+    return __fadd_rn(x, __fmul_rn(o, gate));
+}
+
+__device__ __forceinline__ void gated_residual_body(const GatedResidualParams& p) {
+    const u32 chunks_per_row = (u32)(p.cols / 8);
+    const u32 total = (u32)p.rows * chunks_per_row;
+    const u32 stride = gridDim.x * blockDim.x;
+    for (u32 c = blockIdx.x * blockDim.x + threadIdx.x; c < total; c += stride) {
+        const u32 row32 = c / chunks_per_row;
+        const i64 row = (i64)row32, col = (i64)(c - row32 * chunks_per_row) * 8;
+        u16* xp = p.x + row * p.x_row_stride + col;
+        u32x4 x = load_16B_coherent(xp);  // x is written by this kernel: no read-only (.nc) path
+        u32x4 o = load_16B_stream(p.other + row * p.other_row_stride + col);
+        u32x4 g = load_16B(p.gate + (i64)p.mod_index[row] * p.gate_row_stride + col);
+        const u32 xs[4] = {x.x, x.y, x.z, x.w}, os[4] = {o.x, o.y, o.z, o.w}, gs[4] = {g.x, g.y, g.z, g.w};
+        u32 r[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            r[i] = pack_bf16x2(gated_add(bf16_lo(xs[i]), bf16_lo(os[i]), bf16_lo(gs[i])),
+                               gated_add(bf16_hi(xs[i]), bf16_hi(os[i]), bf16_hi(gs[i])));
+        }
+        store_16B(xp, u32x4{r[0], r[1], r[2], r[3]});
+    }
+}
+
+// ---- RMSNorm statistics (optionally after the gated residual), and the next projection's amax ----------------
+
+// One warp per row, 256 columns per chunk: in chunk c lane p holds columns 256 c + 8 p .. + 7, i.e. the 4-element
+// vectors of torch's logical threads 64 (c % 2) + 2p and 64 (c % 2) + 2p + 1 (a 512-column step of torch's 128
+// threads is two chunks), so every load and store instruction of a warp covers 512 contiguous bytes. rstd needs
+// the whole row before any normalized value can be formed: the amax pass reads the row from the warp's slice of
+// shared memory (ROW_NORM_MAX_STEPS * 1 KB), where the first pass left it; each lane only ever touches its own
+// chunks there, so no barrier is needed.
+//
+// Latency. The residual kernels (below) copy the next row's x and other into shared memory with cp.async while they
+// finish the current row, and issue their L2 loads (gate, norm weight, modulation rows) RESIDUAL_NORM_BATCH /
+// RESIDUAL_AMAX_BATCH chunks at a time. At H3's shape each step was faster than loading one chunk at a time into
+// registers: the cp.async row copy, then two warps per row (benchmarks/README.md). Slower: the whole row in
+// registers (too many registers: fewer warps per SM) and re-reading it from L2 (part of the rows evicted first: more
+// DRAM traffic). The non-residual kernels load x into registers ROW_NORM_BATCH chunks at a time.
+#define ROW_NORM_CHUNKS (2 * ROW_NORM_MAX_STEPS)
+#define ROW_NORM_STAGE_WORDS (ROW_NORM_MAX_STEPS * 256)  // one staged row, bf16x2 words
+#if ROW_NORM_BATCH % 2
+#error "ROW_NORM_BATCH must be even (a batch starts at an even chunk: the partial sums are indexed by c % 2)"
+#endif
+extern __shared__ __align__(16) u32 row_shared[];
+
+// Sums of squares of torch's logical threads 2p + j (+ 64 in odd chunks) over one chunk: 4 elements each, in order.
+NVFP4_DEVICE void add_squares(const u32 w[4], float sums[2]) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const float e0 = bf16_lo(w[2 * j]), e1 = bf16_hi(w[2 * j]);
+        const float e2 = bf16_lo(w[2 * j + 1]), e3 = bf16_hi(w[2 * j + 1]);
+        float& s = sums[j];
+        s = __fmaf_rn(e0, e0, s);
+        s = __fmaf_rn(e1, e1, s);
+        s = __fmaf_rn(e2, e2, s);
+        s = __fmaf_rn(e3, e3, s);
+    }
+}
+
+// torch's warp tree on logical lanes 2q + j (q = lane % 16) for N / 2 pairs of partials: offsets 16, 8, 4, 2 are
+// shuffles by 8, 4, 2, 1 lanes inside each half-warp; offset 1 adds the two partials of a pair (the caller).
+template <int N>
+__device__ __forceinline__ void half_warp_tree(float part[N]) {
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) {
+#pragma unroll
+        for (int j = 0; j < N; ++j) part[j] = __fadd_rn(part[j], __shfl_down_sync(0xFFFFFFFFu, part[j], off, 16));
+    }
+}
+
+// torch's rstd = rsqrt.approx(S / K + eps) from the row's sum of squares S.
+NVFP4_DEVICE float torch_rstd_of(float total, float n_f, float eps) {
+    float rstd;
+    asm("rsqrt.approx.f32 %0, %1;" : "=f"(rstd) : "f"(__fadd_rn(__fdiv_rn(total, n_f), eps)));
+    return rstd;
+}
+
+// torch's rstd from the four partial sums every lane holds (part[2 * odd + j]: logical thread 64 odd + 2p + j).
+NVFP4_DEVICE float torch_rstd(float part[4], float n_f, float eps) {
+    half_warp_tree<4>(part);
+    // lane 0 holds torch's warps 0 (even chunks) and 2 (odd chunks), lane 16 warps 1 and 3: S = (W0 + W2) + (W1 + W3)
+    const float pair = __fadd_rn(__fadd_rn(part[0], part[1]), __fadd_rn(part[2], part[3]));
+    float total = __fadd_rn(pair, __shfl_down_sync(0xFFFFFFFFu, pair, 16));
+    return torch_rstd_of(__shfl_sync(0xFFFFFFFFu, total, 0), n_f, eps);
+}
+
+// ---- the amax pass, skipping what cannot matter ------------------------------------------------------------
+// The next projection's global scale is max |h| over the tensor, h = modulate(rms_norm(x)) =
+// bf16(bf16(n s1) + shift), n = bf16(w (rstd x)), s1 = bf16(1 + scale). Per modulation row, h3_modulation_bounds
+// stores T = |w| |s1| per column (exact in fp32, rounded up to bf16) and S = max |shift| per 8 columns. Every h
+// of 8 columns then satisfies
+//   |h| <= (rstd max|x T| (1 + 2^-24)^2 (1 + 2^-8)^2 + S) (1 + 2^-8)
+// (two fp32 products, then three bf16 roundings, each of relative error <= 2^-8). The kernels take max|x T| in
+// bf16x2 (one more rounding), evaluate the bound with margin (factors 1.04 and 1.01; 2^-126 added to max|x T|
+// before the multiply by rstd and 2^-120 at the end cover subnormal roundings, whose error is absolute; a T that
+// underflowed is harmless as rstd |x| <= sqrt(K)) and evaluate exactly only the chunks whose bound is not below the
+// running max. A NaN or inf anywhere makes the bound NaN or inf (max.NaN keeps NaN), which fails the test, and a
+// running max of 0 skips nothing. The result is the exact amax; how much is skipped depends on the data.
+NVFP4_DEVICE u32 load_2B(const u16* p) {
+    u16 v;
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+NVFP4_DEVICE float running_max_of(u32 acc) { return bf16_to_f32((u16)max(acc & 0xFFFFu, acc >> 16)); }
+NVFP4_DEVICE u32 bf16x2_max_nan(u32 a, u32 b) {
+    u32 r;
+    asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+// One bf16 rounding of |x| t per half.
+NVFP4_DEVICE u32 bf16x2_abs_mul(u32 x, u32 t) {
+    u32 r;
+    asm("{ .reg .b32 a;\n"
+        "  abs.bf16x2 a, %1;\n"
+        "  fma.rn.bf16x2 %0, a, %2, %3; }" : "=r"(r) : "r"(x), "r"(t), "r"(BF16X2_NEG_ZERO));
+    return r;
+}
+
+extern "C" __global__ void __launch_bounds__(256) h3_modulation_bounds(const ModBoundsParams p) {
+    const u32 groups = (u32)(p.cols / 8), total = (u32)p.table_rows * groups;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        const u32 r = i / groups, col = (i - r * groups) * 8;
+        const u32x4 wv = load_16B(p.norm_weight + col);
+        const u32x4 sv = load_16B(p.mod_scale + (i64)r * p.mod_row_stride + col);
+        const u32x4 hv = load_16B(p.mod_shift + (i64)r * p.mod_row_stride + col);
+        const u32 ws[4] = {wv.x, wv.y, wv.z, wv.w}, ss[4] = {sv.x, sv.y, sv.z, sv.w}, hs[4] = {hv.x, hv.y, hv.z, hv.w};
+        u32 t[4], s_abs = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u32 w = ws[j] & 0x7FFF7FFFu, s1 = bf16x2_add(BF16X2_ONE, ss[j]) & 0x7FFF7FFFu;
+            u32 half16[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                // a product of two bf16 is exact in fp32; rounded up to bf16 on its bit pattern, NaN kept NaN
+                const u32 bits = __float_as_uint(__fmul_rn(h ? bf16_hi(w) : bf16_lo(w), h ? bf16_hi(s1) : bf16_lo(s1)));
+                half16[h] = bits > 0x7F800000u ? 0x7FC0u : (bits + 0xFFFFu) >> 16;
+            }
+            t[j] = half16[0] | (half16[1] << 16);
+            s_abs = abs_bits_max_x2(s_abs, hs[j]);
+        }
+        store_16B(p.bound_scale + (i64)r * p.cols + col, u32x4{t[0], t[1], t[2], t[3]});
+        p.bound_shift[i] = (u16)max(s_abs & 0xFFFFu, s_abs >> 16);
+    }
+}
+
+// The amax pass over a warp's staged chunks c = Step k + first (the whole row: Step 1; half a row: Step 2), chunk k
+// staged at word 128 k: the bounds of Batch chunks loaded at a time, the exact value only where a bound requires it.
+template <int Batch, int Step>
+__device__ __forceinline__ u32 bounded_amax(u32 acc, const u32* staged, const RowNormParams& p, i64 m, float rstd,
+                                            u32 first, u32 lane) {
+    constexpr int Chunks = ROW_NORM_CHUNKS / Step;
+    constexpr u32 ColStep = 256 * Step;  // columns from one of the warp's chunks to the next
+    const u32 cols = (u32)p.cols;
+    // per-lane pointers, advanced a batch at a time: the offsets inside a batch are immediates of the loads
+    u32 col0 = 256u * first + 8u * lane;
+    const u16* t_ptr = p.bound_scale + m * (i64)cols + col0;
+    const u16* s_ptr = p.bound_shift + m * (i64)(cols / 8) + col0 / 8;
+    const u32* x_ptr = staged + 4 * lane;
+    float running = running_max_of(acc);
+#pragma unroll 1
+    for (int k0 = 0; k0 < Chunks; k0 += Batch, col0 += Batch * ColStep, t_ptr += Batch * ColStep,
+                                   s_ptr += Batch * ColStep / 8, x_ptr += 128 * Batch) {
+        u32x4 tv[Batch];
+        u32 sv[Batch];
+#pragma unroll
+        for (int b = 0; b < Batch; ++b) {
+            if (k0 + b < Chunks && col0 + b * ColStep < cols) {  // cols % 16 == 0: a lane's 8 are in or out
+                tv[b] = load_16B(t_ptr + b * ColStep);
+                sv[b] = load_2B(s_ptr + b * ColStep / 8);
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < Batch; ++b) {
+            const u32 col = col0 + b * ColStep;
+            if (k0 + b >= Chunks || col >= cols) continue;
+            const u32x4 xv = *reinterpret_cast<const u32x4*>(x_ptr + 128 * b);
+            const u32 xs[4] = {xv.x, xv.y, xv.z, xv.w};
+            const u32 xt = bf16x2_max_nan(bf16x2_max_nan(bf16x2_abs_mul(xs[0], tv[b].x), bf16x2_abs_mul(xs[1], tv[b].y)),
+                                          bf16x2_max_nan(bf16x2_abs_mul(xs[2], tv[b].z), bf16x2_abs_mul(xs[3], tv[b].w)));
+            const float xt_max = bf16_lo(bf16x2_max_nan(xt, xt >> 16));
+            const float bound = __fmaf_rn(__fmaf_rn(__fmul_rn(rstd, __fadd_rn(xt_max, 0x1p-126f)), 1.04f, bf16_to_f32((u16)sv[b])),
+                                          1.01f, 0x1p-120f);
+            if (!(bound < running)) {  // rare: the exact values
+                const u32x4 nw = load_16B(p.norm_weight + col);
+                const u32x4 sc = load_16B(p.mod_scale + m * p.mod_row_stride + col);
+                const u32x4 sh = load_16B(p.mod_shift + m * p.mod_row_stride + col);
+                const u32 ws[4] = {nw.x, nw.y, nw.z, nw.w}, ss[4] = {sc.x, sc.y, sc.z, sc.w}, ts[4] = {sh.x, sh.y, sh.z, sh.w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc = abs_bits_max_x2(acc, modulate_x2(rms_norm_x2(xs[i], ws[i], rstd), ss[i], ts[i]));
+                running = running_max_of(acc);
+            }
+        }
+    }
+    return acc;
+}
+
+// The warp's running max in every lane (unsigned max of |h| bit patterns: NaN stays on top).
+NVFP4_DEVICE u32 warp_running_max(u32 acc) {
+    u32 m = max(acc & 0xFFFFu, acc >> 16), r;
+    asm("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(m));
+    return r;
+}
+
+// Statistics of x itself (no residual): x loaded into registers ROW_NORM_BATCH chunks at a time.
+template <bool Amax>
+__device__ __forceinline__ void row_norm_body(const RowNormParams& p) {
+    const u32 lane = threadIdx.x & 31;
+    const u32 cols = (u32)p.cols, rows = (u32)p.rows;
+    const u32 warps_total = gridDim.x * (blockDim.x >> 5);
+    u32 acc = 0;  // amax of |h| as bf16x2 bit patterns (NaN above inf)
+    u32* staged = row_shared + (threadIdx.x >> 5) * ROW_NORM_STAGE_WORDS;
+
+    for (u32 row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; row < rows; row += warps_total) {
+        const u16* xrow = p.x + (i64)row * p.x_row_stride;
+        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 1
+        for (int c0 = 0; c0 < ROW_NORM_CHUNKS; c0 += ROW_NORM_BATCH) {
+            u32x4 xv[ROW_NORM_BATCH];
+#pragma unroll
+            for (int b = 0; b < ROW_NORM_BATCH; ++b) {  // all loads of the batch first
+                const u32 col = 256u * (c0 + b) + 8u * lane;
+                if (c0 + b < ROW_NORM_CHUNKS && col < cols) xv[b] = load_16B(xrow + col);
+            }
+#pragma unroll
+            for (int b = 0; b < ROW_NORM_BATCH; ++b) {
+                const u32 col = 256u * (c0 + b) + 8u * lane;
+                if (c0 + b >= ROW_NORM_CHUNKS || col >= cols) continue;
+                const u32 w[4] = {xv[b].x, xv[b].y, xv[b].z, xv[b].w};
+                add_squares(w, part + 2 * (b & 1));
+                if (Amax) *reinterpret_cast<u32x4*>(staged + 4 * (32 * (c0 + b) + lane)) = xv[b];  // = col / 2
+            }
+        }
+        const float rstd = torch_rstd(part, (float)cols, p.eps);
+        if (lane == 0) p.rstd[row] = rstd;
+        if (Amax) acc = warp_running_max(bounded_amax<ROW_NORM_BATCH, 1>(acc, staged, p, (i64)p.mod_index[row], rstd, 0, lane));
+    }
+    if (Amax) absmax_finish<ROW_NORM_THREADS>(p.out, acc);
+}
+
+// ---- the residual kernels: two warps per row ----------------------------------------------------------------
+// Warp h (h = 0, 1) of a CTA takes the chunks c = 2k + h of the CTA's row, i.e. torch's warps 2h and 2h + 1, and
+// stages its half of x and other (k-th chunk at word 128 k); after the tree each warp holds two of torch's four
+// warp sums, exchanged through shared memory, and both form S = (W0 + W2) + (W1 + W3). Half a row per warp halves
+// each warp's chain of L2 round trips and the shared memory per warp (11 KB: 20 warps per SM on sm_90).
+#define HALF_ROW_WORDS (ROW_NORM_MAX_STEPS * 128)
+#if RESIDUAL_NORM_THREADS != 64
+#error "the residual kernels run one row per CTA of two warps"
+#endif
+
+// This lane's chunks of one half row, global -> shared (16-byte cp.async each).
+NVFP4_DEVICE void copy_half_row_async(u32 shared_addr, const u16* src, u32 half, u32 lane, u32 cols) {
+#pragma unroll
+    for (int k = 0; k < ROW_NORM_MAX_STEPS; ++k) {
+        const u32 col = 256u * (2 * k + half) + 8u * lane;
+        if (col < cols) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(shared_addr + 16 * (32 * k + lane)), "l"(src + col) : "memory");
+    }
+}
+
+// x[r] += other[r] * gate[m], then the statistics (and the amax) of the new x. The next row's x and other are copied
+// into shared memory while the current one is finished (other during the statistics and amax pass, x after it).
+template <bool Amax>
+__device__ __forceinline__ void residual_norm_body(const RowNormParams& p) {
+    const u32 lane = threadIdx.x & 31, half = threadIdx.x >> 5;
+    const u32 cols = (u32)p.cols, rows = (u32)p.rows;
+    u32 acc = 0;
+    u32* staged = row_shared + half * (2 * HALF_ROW_WORDS);  // x, updated in place, then read by the amax pass
+    const u32* other_staged = staged + HALF_ROW_WORDS;
+    const u32 x_shared = (u32)__cvta_generic_to_shared(staged), other_shared = x_shared + 4 * HALF_ROW_WORDS;
+    __shared__ float warp_sums[2][2][2];  // [row parity][half][torch warp 2 half + (0, 1)]
+    __shared__ u32 warp_amax[2][2];       // [row parity][half]
+
+    // The CTAs walk the rows from the last one back (row rows - 1 - r for r = CTA + k * grid): the GEMM before wrote
+    // `other`'s last rows last, and part of them is still in L2 (faster right after a bf16 GEMM of the out_proj
+    // shape; in the whole block no difference beyond noise; benchmarks/README.md).
+#define ROW_AT(r) (rows - 1 - (r))
+    u32 row = blockIdx.x, parity = 0;
+    if (row < rows) {
+        copy_half_row_async(x_shared, p.x + (i64)ROW_AT(row) * p.x_row_stride, half, lane, cols);
+        copy_half_row_async(other_shared, p.other + (i64)ROW_AT(row) * p.other_row_stride, half, lane, cols);
+    }
+    commit_copies();
+    for (; row < rows; row += gridDim.x, parity ^= 1) {
+        const u32 next = row + gridDim.x;
+        u16* xrow = p.x + (i64)ROW_AT(row) * p.x_row_stride;
+        const i64 m = (i64)p.mod_index[ROW_AT(row)];
+        const u16* grow = p.gate + m * p.gate_row_stride;
+        float part[2] = {0.0f, 0.0f};  // torch's logical threads 64 half + 2 lane + j
+        wait_copies();  // this row's x and other (the lane's own chunks)
+#pragma unroll 1
+        for (int k0 = 0; k0 < ROW_NORM_MAX_STEPS; k0 += RESIDUAL_NORM_BATCH) {
+            u32x4 gv[RESIDUAL_NORM_BATCH];
+#pragma unroll
+            for (int b = 0; b < RESIDUAL_NORM_BATCH; ++b) {
+                const u32 col = 256u * (2 * (k0 + b) + half) + 8u * lane;
+                if (k0 + b < ROW_NORM_MAX_STEPS && col < cols) gv[b] = load_16B(grow + col);
+            }
+#pragma unroll
+            for (int b = 0; b < RESIDUAL_NORM_BATCH; ++b) {
+                const u32 col = 256u * (2 * (k0 + b) + half) + 8u * lane;
+                if (k0 + b >= ROW_NORM_MAX_STEPS || col >= cols) continue;
+                const u32 slot = 4 * (32 * (k0 + b) + lane);
+                const u32x4 xv = *reinterpret_cast<const u32x4*>(staged + slot);
+                const u32x4 ov = *reinterpret_cast<const u32x4*>(other_staged + slot);
+                u32 w[4] = {xv.x, xv.y, xv.z, xv.w};
+                const u32 os[4] = {ov.x, ov.y, ov.z, ov.w}, gs[4] = {gv[b].x, gv[b].y, gv[b].z, gv[b].w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {  // torch's addcmul_: see gated_add
+                    w[i] = pack_bf16x2(gated_add(bf16_lo(w[i]), bf16_lo(os[i]), bf16_lo(gs[i])),
+                                       gated_add(bf16_hi(w[i]), bf16_hi(os[i]), bf16_hi(gs[i])));
+                }
+                const u32x4 r = u32x4{w[0], w[1], w[2], w[3]};
+                store_16B(xrow + col, r);
+                add_squares(w, part);
+                if (Amax) *reinterpret_cast<u32x4*>(staged + slot) = r;
+            }
+        }
+        if (next < rows) copy_half_row_async(other_shared, p.other + (i64)ROW_AT(next) * p.other_row_stride, half, lane, cols);
+        if (!Amax && next < rows) copy_half_row_async(x_shared, p.x + (i64)ROW_AT(next) * p.x_row_stride, half, lane, cols);
+        commit_copies();
+        // lane 0 ends with torch's warp 2 half, lane 16 with warp 2 half + 1
+        half_warp_tree<2>(part);
+        const float sum = __fadd_rn(part[0], part[1]);
+        if (lane == 0 || lane == 16) warp_sums[parity][half][lane >> 4] = sum;
+        if (Amax) {  // the CTA's running max so far, for the bounds of this row
+            const u32 warp_max = warp_running_max(acc);
+            if (lane == 0) warp_amax[parity][half] = warp_max;
+        }
+        __syncthreads();  // both halves' sums (a row's slots are rewritten two rows later, after another barrier)
+        if (Amax) acc = max(warp_amax[parity][0], warp_amax[parity][1]);
+        const float total = __fadd_rn(__fadd_rn(warp_sums[parity][0][0], warp_sums[parity][1][0]),
+                                      __fadd_rn(warp_sums[parity][0][1], warp_sums[parity][1][1]));
+        const float rstd = torch_rstd_of(total, (float)cols, p.eps);
+        if (threadIdx.x == 0) p.rstd[ROW_AT(row)] = rstd;
+        if (Amax) acc = bounded_amax<RESIDUAL_AMAX_BATCH, 2>(acc, staged, p, m, rstd, half, lane);
+        if (Amax && next < rows) copy_half_row_async(x_shared, p.x + (i64)ROW_AT(next) * p.x_row_stride, half, lane, cols);
+        commit_copies();
+    }
+    wait_copies();
+    if (Amax) absmax_finish<RESIDUAL_NORM_THREADS>(p.out, acc);
+#undef ROW_AT
+}
+
+// ---- entry points (one name per variant; kernels/runtime.py looks them up by name) -------------------------
+
+extern "C" __global__ void __launch_bounds__(RESIDUAL_THREADS) h3_gated_residual(const GatedResidualParams p) { gated_residual_body(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) h3_row_norm_stats(const RowNormParams p) { row_norm_body<false>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) h3_row_norm_amax(const RowNormParams p) { row_norm_body<true>(p); }
+extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) h3_row_norm_residual_stats(const RowNormParams p) { residual_norm_body<false>(p); }
+extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) h3_row_norm_residual_amax(const RowNormParams p) { residual_norm_body<true>(p); }
