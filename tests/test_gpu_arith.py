@@ -27,7 +27,7 @@ SOURCE = str(pathlib.Path(__file__).resolve().parent / "kernels" / "arith_check.
 
 def arith_defines() -> tuple:
     """The -D options of the checks: the silu window, defined once in kernels/ops.py."""
-    from h3_fused_nvfp4.kernels import ops
+    from h3_fused_nvfp4.kernels import cuda_ops as ops
 
     return (("SILU_WINDOW", ops.SILU_WINDOW), ("SILU_WINDOW_LO", ops.SILU_WINDOW_LO))
 
