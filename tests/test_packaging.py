@@ -39,7 +39,7 @@ except ImportError:  # Python 3.10
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 PYPROJECT_PATH = REPO_ROOT / "pyproject.toml"
 REQUIREMENTS_PATH = REPO_ROOT / "requirements.txt"
-WORKFLOWS = REPO_ROOT / "workflows"
+WORKFLOWS = REPO_ROOT / "example_workflows"
 
 NODE_IDS = {"H3FusedNVFP4Loader", "H3FusedNVFP4Patch", "H3FusedNVFP4Toggle", "H3FusedNVFP4Calibrate",
             "H3FusedNVFP4SaveCalibrated"}
