@@ -113,6 +113,19 @@ def test_version_is_semver_and_consistent(pyproject):
                 assert node["properties"]["ver"] == version, workflow.name
 
 
+def test_web_extension_and_example_workflows():
+    """ComfyUI serves WEB_DIRECTORY to its frontend; the extension there draws the decision text of every pack node
+    (tests/browser/ runs it). Every example workflow has the thumbnail the Templates dialog shows."""
+    import h3_fused_nvfp4
+
+    assert h3_fused_nvfp4.WEB_DIRECTORY == "./web"
+    script = (REPO_ROOT / "web" / "h3_fused_nvfp4.js").read_text(encoding="utf-8")
+    assert 'from "../../scripts/app.js"' in script and "app.registerExtension(" in script
+    assert all(f'"{node_id}"' in script for node_id in NODE_IDS)
+    workflows = sorted(WORKFLOWS.glob("*.json"))
+    assert workflows and all(w.with_suffix(".jpg").is_file() for w in workflows), workflows
+
+
 def test_project_metadata(pyproject):
     project = pyproject["project"]
     assert project["description"].strip()
@@ -293,6 +306,7 @@ def test_install_like_a_user(tmp_path, comfyui, restore_node_mappings):
     assert not hasattr(pack.module, "NODE_CLASS_MAPPINGS")  # V3 only
     assert set(pack.node_ids) == NODE_IDS
     assert not [line for line in pack.log if "pyproject.toml" in line], pack.log
+    assert pathlib.Path(comfyui.nodes.EXTENSION_WEB_DIRS[FOLDER_NAME]) == target / "web"  # WEB_DIRECTORY
     for node_id in NODE_IDS:
         cls = comfyui.nodes.NODE_CLASS_MAPPINGS[node_id]
         assert cls.RELATIVE_PYTHON_MODULE == f"custom_nodes.{FOLDER_NAME}"
