@@ -19,7 +19,6 @@ H3_UPDATE_THUMBNAILS=1 (write example_workflows/<name>.jpg from the screenshot o
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.metadata
 import json
@@ -130,7 +129,13 @@ def write_tiny_model(folder: pathlib.Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def prerequisites(comfyui):
+def prerequisites(request):
+    import comfy_harness
+
+    reason = comfy_harness.comfyui_reason()
+    if reason is not None:
+        unavailable(f"real ComfyUI: {reason}")
+    comfyui = request.getfixturevalue("comfyui")
     try:
         importlib.import_module("playwright.sync_api")
     except ImportError:
@@ -159,7 +164,7 @@ def server(prerequisites, tmp_path_factory):
     write_tiny_model(models)
     settings = base / "user" / "default"
     settings.mkdir(parents=True)
-    # first-run dialogs off (templates browser, version notifications): they would cover the canvas
+    # no first-run templates browser, version notifications or minimap over the canvas
     (settings / "comfy.settings.json").write_text(json.dumps({
         "Comfy.TutorialCompleted": True,
         "Comfy.Notification.ShowVersionUpdates": False,
@@ -407,6 +412,17 @@ def missing_model_lines(browser) -> list[str]:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     starts = [i for i, line in enumerate(lines) if line.lower() == "missing models"]
     return lines[starts[0]:starts[0] + 60] if starts else []
+
+
+def test_templates_dialog_gets_workflows_and_thumbnails(server):
+    """ComfyUI lists example_workflows/ for the Templates dialog; each card's image is <name>.jpg beside it."""
+    listed = server.get_json("/workflow_templates")
+    stems = sorted(p.stem for p in EXAMPLES.glob("*.json"))
+    assert sorted(listed.get(PACK_FOLDER, [])) == stems, listed
+    for stem in stems:
+        base = f"{server.url}/api/workflow_templates/{PACK_FOLDER}/{urllib.parse.quote(stem)}"
+        assert json.loads(http_get(base + ".json"))["nodes"], stem
+        assert http_get(base + ".jpg")[:3] == b"\xff\xd8\xff", f"{stem}.jpg is not served as a JPEG"
 
 
 @pytest.mark.parametrize("workflow", sorted(p.name for p in EXAMPLES.glob("*.json")))
