@@ -13,3 +13,6 @@ async def comfy_entrypoint():
     from .nodes import H3FusedNVFP4Extension
 
     return H3FusedNVFP4Extension()
+
+# ComfyUI serves this folder to its frontend (web/h3_fused_nvfp4.js shows each node's decision text on the node).
+WEB_DIRECTORY = "./web"

@@ -13,6 +13,8 @@
 #       build tests use on CPU-only machines
 #   comfy-kitchen 0.2.40, comfy-aimdo 0.5.5                 ComfyUI's kernel and memory packages
 #   ComfyUI's import-time requirements (tests/requirements-test.txt), pytest
+#   for tests/browser: ComfyUI's server requirements, its pinned frontend package, Playwright (the browser is
+#       Debian's chromium: apt-get install chromium; .ci/run installs it in CI)
 # Environment: PYTHON (interpreter that creates the venv, default python3), VENV (default .venv).
 set -euo pipefail
 
@@ -91,7 +93,7 @@ run_report() {
 }
 
 usage() {
-  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 cmd="${1:-}"

@@ -39,7 +39,7 @@ except ImportError:  # Python 3.10
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 PYPROJECT_PATH = REPO_ROOT / "pyproject.toml"
 REQUIREMENTS_PATH = REPO_ROOT / "requirements.txt"
-WORKFLOWS = REPO_ROOT / "workflows"
+WORKFLOWS = REPO_ROOT / "example_workflows"
 
 NODE_IDS = {"H3FusedNVFP4Loader", "H3FusedNVFP4Patch", "H3FusedNVFP4Toggle", "H3FusedNVFP4Calibrate",
             "H3FusedNVFP4SaveCalibrated"}
@@ -111,6 +111,19 @@ def test_version_is_semver_and_consistent(pyproject):
             if node["type"] in NODE_IDS:
                 assert node["properties"]["cnr_id"] == pyproject["project"]["name"], workflow.name
                 assert node["properties"]["ver"] == version, workflow.name
+
+
+def test_web_extension_and_example_workflows():
+    """ComfyUI serves WEB_DIRECTORY to its frontend; the extension there draws the decision text of every pack node
+    (tests/browser/ runs it). Every example workflow has the thumbnail the Templates dialog shows."""
+    import h3_fused_nvfp4
+
+    assert h3_fused_nvfp4.WEB_DIRECTORY == "./web"
+    script = (REPO_ROOT / "web" / "h3_fused_nvfp4.js").read_text(encoding="utf-8")
+    assert 'from "../../scripts/app.js"' in script and "app.registerExtension(" in script
+    assert all(f'"{node_id}"' in script for node_id in NODE_IDS)
+    workflows = sorted(WORKFLOWS.glob("*.json"))
+    assert workflows and all(w.with_suffix(".jpg").is_file() for w in workflows), workflows
 
 
 def test_project_metadata(pyproject):
@@ -293,6 +306,7 @@ def test_install_like_a_user(tmp_path, comfyui, restore_node_mappings):
     assert not hasattr(pack.module, "NODE_CLASS_MAPPINGS")  # V3 only
     assert set(pack.node_ids) == NODE_IDS
     assert not [line for line in pack.log if "pyproject.toml" in line], pack.log
+    assert pathlib.Path(comfyui.nodes.EXTENSION_WEB_DIRS[FOLDER_NAME]) == target / "web"  # WEB_DIRECTORY
     for node_id in NODE_IDS:
         cls = comfyui.nodes.NODE_CLASS_MAPPINGS[node_id]
         assert cls.RELATIVE_PYTHON_MODULE == f"custom_nodes.{FOLDER_NAME}"

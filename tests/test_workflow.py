@@ -1,6 +1,6 @@
 """The shipped example workflow against ComfyUI's official MiniMax H3 text-to-video template.
 
-``workflows/h3_t2v_1344x768_124f_fused_nvfp4.json`` is the official template (``video_minimax_h3_t2v.json`` from
+``example_workflows/h3_t2v_1344x768_124f_fused_nvfp4.json`` is the official template (``video_minimax_h3_t2v.json`` from
 ``comfyui-workflow-templates-json==0.1.123``, read from the installed package) flattened, with UNETLoader replaced
 by this pack's loader plus the A/B toggle and the turbo-LoRA switch left out. These tests pin that:
 
@@ -29,7 +29,7 @@ import pytest
 import comfy_harness as ch
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKFLOW_PATH = REPO_ROOT / "workflows" / "h3_t2v_1344x768_124f_fused_nvfp4.json"
+WORKFLOW_PATH = REPO_ROOT / "example_workflows" / "h3_t2v_1344x768_124f_fused_nvfp4.json"
 
 TEMPLATE_DIST = "comfyui-workflow-templates-json"
 TEMPLATE_DIST_VERSION = "0.1.123"
