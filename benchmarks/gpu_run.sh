@@ -12,6 +12,14 @@
 #   bench-pack     benchmarks/bench_pack.py                        -> pack.json
 #   bench-rope     benchmarks/bench_rope.py                        -> rope.json
 #   trade          benchmarks/calibration_trade.py                 -> calibration-trade.json
+#   sage           builds SageAttention 2 from .third_party/SageAttention (benchmarks/build_sageattention.sh, local
+#                  arch only, into /tmp/sageattention, skipped when it already imports), puts it on PYTHONPATH for
+#                  the later steps, then tests/test_gpu_sage_block.py: one real H3 block at full width with ComfyUI's
+#                  sage backend, stock vs fused, bits, layout copies, times -> sage-block.json (~4-6 min)
+#   full-model     benchmarks/full_model.py: the whole 50-block model at full size, stock vs the Patch node's
+#                  clone, one forward per sigma, time and peak memory -> full-model.json (~3-5 min)
+#
+#   STEPS="sage full-model" bash benchmarks/gpu_run.sh   (carry .third_party, .whl and .device)
 #
 # The machine has no network: .whl/ holds the wheels it lacks (comfy-kitchen, comfy-aimdo, torchsde, trampoline;
 # ../shared/tools/device-wheels.sh and pip download make them), .device/comfyui.tar.gz a copy of ../shared/comfyui and
@@ -52,6 +60,18 @@ for step in ${STEPS:-tests report}; do
              rc=$?; tail -3 "$OUT/rope.log" ;;
     trade) timeout "$STEP_TIMEOUT" python3 benchmarks/calibration_trade.py --out "$OUT/calibration-trade.json" \
              > "$OUT/trade.log" 2>&1; rc=$?; tail -12 "$OUT/trade.log" ;;
+    sage) OUT="$OUT" timeout "$STEP_TIMEOUT" bash benchmarks/build_sageattention.sh 2>&1 | tee "$OUT/sage.log"
+          rc=${PIPESTATUS[0]}; left=$((STEP_TIMEOUT - (SECONDS - start))); (( left < 150 )) && left=150
+          if [[ $rc == 0 ]]; then
+            export PYTHONPATH=${SAGE_BUILD:-/tmp/sageattention}${PYTHONPATH:+:$PYTHONPATH}
+            export SAGE_SOURCE_COMMIT=${SAGE_SOURCE_COMMIT:-d1a57a546c3d395b1ffcbeecc66d81db76f3b4b5}
+            SAGE_BLOCK_JSON="$OUT/sage-block.json" timeout "$left" python3 -m pytest \
+              "tests/test_gpu_sage_block.py::test_full_width_block_with_sage_attention_bit_identical_and_copy_free" \
+              -q -rs -s -p no:cacheprovider ${PYTEST_ARGS:-} >> "$OUT/sage.log" 2>&1; rc=$?
+            grep -E "^sage block:|passed|failed|skipped|Error" "$OUT/sage.log" | tail -6
+          fi ;;
+    full-model) timeout "$STEP_TIMEOUT" python3 benchmarks/full_model.py --out "$OUT/full-model.json" > "$OUT/full-model.log" 2>&1
+             rc=$?; tail -4 "$OUT/full-model.log" ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
   summary+=("$step: exit $rc, $((SECONDS - start)) s")

@@ -109,8 +109,11 @@ def make_dit_block(dims: H3Dims = H3_SMALL, *, seed: int = 0, device="cpu", stat
 
 
 def model_state_dict(dims: H3Dims = H3_SMALL, *, num_layers: int = 2, refiner_layers: int = 2, text_dim: int = 64,
-                     seed: int = 0, static_layers: tuple[str, ...] = (), curve: bool = False) -> dict:
-    """A complete ``MiniMaxH3Model`` checkpoint (CPU tensors, real key names) with NVFP4 block projections."""
+                     seed: int = 0, static_layers: tuple[str, ...] = (), curve: bool = False, device="cpu") -> dict:
+    """A complete ``MiniMaxH3Model`` checkpoint (CPU tensors, real key names) with NVFP4 block projections.
+
+    ``device``: where the random weights are drawn and quantized, one tensor at a time, each moved to the CPU right
+    away (a full-size model on a GPU: seconds instead of many minutes of CPU random numbers and quantization)."""
     import comfy.ops
 
     m = _model_module()
@@ -119,21 +122,26 @@ def model_state_dict(dims: H3Dims = H3_SMALL, *, num_layers: int = 2, refiner_la
                   text_dim=text_dim, time_embed_hidden_size=dims.hidden, time_embed_dim=dims.t_dim,
                   adaln_curve_grid=33 if curve else None)
     skeleton = m.MiniMaxH3Model(**kwargs, dtype=torch.bfloat16, device="meta", operations=comfy.ops.disable_weight_init)
-    gen = torch.Generator().manual_seed(int(seed))
+    gen = torch.Generator(device=device).manual_seed(int(seed))
+    quantized = {f"{prefix}.{i}.{path}.weight": (f"{prefix}.{i}.{path}", path)
+                 for prefix, n in (("blocks", num_layers), ("token_refiner.blocks", refiner_layers))
+                 for i in range(n) for path in LINEAR_PATHS}
     sd = {}
     for name, param in skeleton.named_parameters():
         std = 0.1 if name.endswith("norm.weight") or ".norm" in name else (param.shape[-1] ** -0.5 if param.dim() == 2 else 0.02)
         mean = 1.0 if "norm" in name and name.endswith("weight") else 0.0
-        sd[name] = _random(tuple(param.shape), gen, "cpu", std, param.dtype, mean=mean)
+        value = _random(tuple(param.shape), gen, device, std, param.dtype, mean=mean)
+        if name in quantized:
+            key, path = quantized.pop(name)
+            scale = STATIC_INPUT_SCALE[path] if path in static_layers else None
+            sd.update({k: v.cpu() for k, v in nvfp4_checkpoint_entries(key, value, scale).items()})
+        else:
+            sd[name] = value.cpu()
+        del value
+    if quantized:
+        raise RuntimeError(f"MiniMaxH3Model has no parameters {sorted(quantized)[:4]}...")
     for name, buf in skeleton.named_buffers():
-        sd[name] = _random(tuple(buf.shape), gen, "cpu", 1.0, buf.dtype).abs()
-    for prefix, n in (("blocks", num_layers), ("token_refiner.blocks", refiner_layers)):
-        for i in range(n):
-            for path in LINEAR_PATHS:
-                key = f"{prefix}.{i}.{path}"
-                weight = sd.pop(f"{key}.weight")
-                scale = STATIC_INPUT_SCALE[path] if path in static_layers else None
-                sd.update(nvfp4_checkpoint_entries(key, weight, scale))
+        sd[name] = _random(tuple(buf.shape), gen, device, 1.0, buf.dtype).abs().cpu()
     return {k: v.contiguous() for k, v in sd.items()}
 
 
