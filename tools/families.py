@@ -158,8 +158,9 @@ def _std(name: str, shape) -> tuple[float, float]:
 
 def nvfp4_entry_shapes(prefix: str, out_features: int, in_features: int) -> dict:
     """Shape-only (meta) stand-ins of :func:`nvfp4_checkpoint_entries` (for detection checks at full width)."""
+    rows16 = -(-out_features // 16) * 16
     rows, scale_cols = -(-out_features // 128) * 128, -(-(in_features // 16) // 4) * 4
-    return {f"{prefix}.weight": torch.empty((out_features, in_features // 2), dtype=torch.uint8, device="meta"),
+    return {f"{prefix}.weight": torch.empty((rows16, in_features // 2), dtype=torch.uint8, device="meta"),
             f"{prefix}.weight_scale": torch.empty((rows, scale_cols), dtype=torch.float8_e4m3fn, device="meta"),
             f"{prefix}.weight_scale_2": torch.empty((), dtype=torch.float32, device="meta"),
             f"{prefix}.comfy_quant": comfy_quant_tag()}
@@ -283,8 +284,8 @@ def family_inputs(name: str, model: torch.nn.Module, *, width: str = "tiny", res
     if name == "ltx2":
         t = 1 + (frames - 1) // 8
         video = randn(1, model.in_channels, t, h // 32, w // 32)
-        audio_t = max(1, round(frames / 25 * 25))  # 25 audio latent frames per second of video at 25 fps
-        audio = randn(1, 8, audio_t, 16)
+        audio_t = max(1, round(frames / 25 * 25))  # 25 audio latent frames per second; video at 25 fps
+        audio = randn(1, 8, audio_t, 16)  # 8 channels x 16 mel bins (LTXAVModel's audio patchifier)
         ctx = randn(1, tokens, 2 * model.caption_channels, dtype=BF16)
         return ForwardInputs(([video, audio], torch.tensor([0.6]), ctx), {"frame_rate": 25, "audio_length": audio_t})
     if name == "qwen_image":
@@ -294,8 +295,10 @@ def family_inputs(name: str, model: torch.nn.Module, *, width: str = "tiny", res
     if name == "minimax_h3":
         t = 1 + (frames - 1) // 4
         video = randn(1, model.latents_dim, t, h // 16, w // 16)
-        audio = randn(1, model.audio_latents_dim, 2, max(1, frames // 25 * 25 // 3 or 5))
+        audio_t = max(1, round(frames * 40 / 24))  # 124 frames -> 207 audio frames (FACTS section 2)
+        audio = randn(1, model.audio_latents_dim, 2, audio_t)
         ctx = randn(1, tokens, model.condition_proj.in_features, dtype=BF16)
         tags = torch.tensor(([1, 1, 0, 0] + [1] * tokens)[:tokens])
-        return ForwardInputs(([video, audio], torch.tensor([700.0]), ctx), {"minimax_payload": {"text_token_tags": tags}})
+        payload = {"text_token_tags": tags}
+        return ForwardInputs(([video, audio], torch.tensor([700.0]), ctx), {"minimax_payload": payload})
     raise KeyError(name)
