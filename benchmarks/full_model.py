@@ -6,7 +6,7 @@ CPU like a loaded file) is loaded through ``comfy.sd.load_diffusion_model_state_
 (below sm_100 both arms emulate the FP4 GEMM the same way), then:
 
 * stock: ComfyUI's model as loaded (``load_models_gpu``), one warm-up forward, then the reference forwards;
-* fused: the clone the Patch node returns (``models/h3/patch.apply_fused`` as ``H3FusedNVFP4Patch.execute`` calls
+* fused: the clone the Patch node returns (``models/patch.apply_fused`` as ``H3FusedNVFP4Patch.execute`` calls
   it, self-check forced so the first forward runs the block check), its FIRST forward compared too.
 
 Inputs follow ``MiniMaxH3Model.forward``: a video latent [1, 24, 37, 48, 84] (1344x768, 124 frames: 37,296 rows),
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
         device, cfg = torch.device("cuda", torch.cuda.current_device()), FULL
     import comfy.model_management as mm
 
-    from h3_fused_nvfp4.models.h3 import patch
+    from h3_fused_nvfp4.models import patch
     from h3_fused_nvfp4.tools.report import device_info
 
     force_nvfp4_compute()

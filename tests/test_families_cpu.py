@@ -23,6 +23,7 @@ import torch
 from parity import assert_bit_identical
 
 from h3_fused_nvfp4.core.linear import FusedNVFP4Linear, is_nvfp4_linear
+from h3_fused_nvfp4.models import patch
 from h3_fused_nvfp4.core.nvfp4_weights import nvfp4_checkpoint_entries
 from h3_fused_nvfp4.tools import families as fam
 
@@ -32,18 +33,11 @@ FUSED_SHARE = 0.99  # of the NVFP4 Linear calls of one forward
 TIMINGS: dict[str, dict] = {}
 
 
-def fused_patches(model_patcher) -> dict:
-    """Object patches that send every NVFP4 Linear of the diffusion model through the fused Linear."""
-    dm = model_patcher.model.diffusion_model
-    return {f"diffusion_model.{name}.forward": FusedNVFP4Linear(layer, name)
-            for name, layer in dm.named_modules() if is_nvfp4_linear(layer)}
-
-
 def apply_fused(model_patcher):
-    """A clone of ``model_patcher`` with the fused Linears installed; returns (clone, the FusedNVFP4Linear objects)."""
-    clone = model_patcher.clone()
-    for key, fn in fused_patches(clone).items():
-        clone.add_object_patch(key, fn)
+    """The Patch node's clone (scope "linears": every NVFP4 Linear through the fused pack; no block fusion, which
+    H3's own tests cover); returns (clone, the FusedNVFP4Linear objects)."""
+    clone, report = patch.apply_fused(model_patcher, "linears", allow_reference_backend=True)
+    assert report.applied, report.reason
     return clone, [v for v in clone.object_patches.values() if isinstance(v, FusedNVFP4Linear)]
 
 
