@@ -489,21 +489,24 @@ def test_save_calibrated_adds_the_extension(models_folder):
 
 
 def _fail_writing_the_statistics(monkeypatch):
-    real = safetensors_io._write_bytes
+    """No file of the statistics' name can be created (a full disk, a quota): the checkpoint itself was written."""
+    real = os.open
 
-    def write_bytes(handle, data):
-        if bytes(data[:1]) == b"{":  # the statistics JSON (a checkpoint starts with its 8-byte header length)
+    def open_(path, flags, *args, **kwargs):
+        if ".calibration.json" in os.path.basename(os.fspath(path)) and flags & os.O_CREAT:
             raise OSError(errno.ENOSPC, "No space left on device")
-        real(handle, data)
+        return real(path, flags, *args, **kwargs)
 
-    monkeypatch.setattr(safetensors_io, "_write_bytes", write_bytes)
+    monkeypatch.setattr(os, "open", open_)
 
 
 def _fail_renaming_the_statistics(monkeypatch):
-    real = os.replace
+    """The statistics file is complete under its temporary name, but the rename onto its name fails."""
+    real, failed = os.replace, []
 
     def replace(src, dst, **kwargs):
-        if os.fspath(dst).endswith(".calibration.json") and os.fspath(src).endswith(".partial"):
+        if os.fspath(dst).endswith(".calibration.json") and not failed:  # the first one; putting back works
+            failed.append(dst)
             raise OSError(errno.EIO, "Input/output error")
         return real(src, dst, **kwargs)
 
