@@ -3,14 +3,18 @@
 #
 #   ./dev.sh setup            create / update .venv (skipped when nothing it installs from has changed)
 #   ./dev.sh report [args]    setup, then python report.py [args]: self-check + H3 block profile -> JSON
+#                             needs a ComfyUI (checked first: nothing is installed without one)
 #   ./dev.sh lint             setup, then the architecture contracts (lint-imports, .importlinter) and ruff (ruff.toml)
 #   ./dev.sh test [args]      setup, lint, then python -m pytest tests -q -rs [args]; exits with pytest's code
+#                             without a ComfyUI the tests that run ComfyUI's code skip (said before setup)
 #
-# The tests run ComfyUI's real code: the first of $COMFYUI_PATH, the ComfyUI this folder is installed in
-# (custom_nodes/<pack>), ../shared/comfyui. setup installs what that ComfyUI imports:
+# The report and the tests run ComfyUI's real code: the first of $COMFYUI_PATH, the ComfyUI this folder is
+# installed in (custom_nodes/<pack>), ../shared/comfyui (tools/comfy_env.py). setup installs what that ComfyUI
+# imports:
 #   torch 2.11.0 + torchvision 0.26.0 + torchaudio 2.11.0   the newest set with a torchaudio release, and the
-#       CUDA-13 build (cu130) that ComfyUI runs NVFP4 with; its wheels also carry NVRTC 13, which the kernel
-#       build tests use on CPU-only machines
+#       CUDA-13 build (cu130) that ComfyUI runs NVFP4 with. About 5 GB, also on a CPU-only machine: PyPI (the one
+#       index setup uses) has no CPU-only torch 2.11.0 for Linux x86_64, and the CUDA wheels carry NVRTC 13,
+#       which the kernel build tests use to compile every kernel on CPU-only machines
 #   comfy-kitchen 0.2.40, comfy-aimdo 0.5.5                 ComfyUI's kernel and memory packages
 #   ComfyUI's import-time requirements (tests/requirements-test.txt), pytest
 #   for tests/browser: ComfyUI's server requirements, its pinned frontend package, Playwright (the browser is
@@ -70,7 +74,29 @@ run_lint() {
   say "lint passed"
 }
 
+# Where the ComfyUI is, by tools/comfy_env.py's own search (run by $PYTHON, before anything is installed); prints
+# one line, and fails (the line ending with \$1) when there is none.
+find_comfyui() {
+  "$PYTHON" - "$ROOT/tools/comfy_env.py" "${1:-}" <<'PY'
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("comfy_env", sys.argv[1])
+comfy_env = sys.modules["comfy_env"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(comfy_env)
+try:
+    location = comfy_env.find_comfyui()
+except RuntimeError as exc:
+    print(f"dev.sh: {exc}{sys.argv[2]}")
+    sys.exit(1)
+if location is None:
+    print("dev.sh: no ComfyUI found: set COMFYUI_PATH to a ComfyUI folder, install this pack in ComfyUI/custom_nodes, "
+          f"or put the test tree at ../shared/comfyui{sys.argv[2]}")
+    sys.exit(1)
+print(f"dev.sh: ComfyUI at {location.root} ({location.how})")
+PY
+}
+
 run_tests() {
+  find_comfyui "; the tests that run ComfyUI's code will skip" || true
   setup
   run_lint
   say "running pytest tests -q -rs $*"
@@ -87,13 +113,14 @@ run_tests() {
 }
 
 run_report() {
+  find_comfyui "; the report needs one: nothing was installed" >&2 || return 1
   setup
   say "running report.py $*"
   "$VENV/bin/python" report.py "$@"
 }
 
 usage() {
-  sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 cmd="${1:-}"

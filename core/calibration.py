@@ -145,6 +145,20 @@ def attach_recorder(clone, layers: dict, *, prefix: str = "diffusion_model.") ->
     return recorder
 
 
+def stored_input_scale(value) -> float | None:
+    """``value`` as the fp32 ``input_scale`` a checkpoint stores it, or None where that is not a positive finite
+    number: a value beyond fp32's range becomes inf (ComfyUI then gives NaN for the layer), one below its smallest
+    subnormal becomes 0 (all zeros)."""
+    try:
+        scale = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if not math.isfinite(scale):
+        return None
+    stored = float(torch.tensor(scale, dtype=torch.float32))
+    return stored if math.isfinite(stored) and stored > 0 else None
+
+
 def input_scales(statistics: dict[str, dict], headroom: float = 1.0, statistic: str = "max") -> dict[str, float]:
     """``input_scale = amax x headroom / 2688`` per recorded layer (``statistic``: max or a sampled percentile).
     ``statistics``: :meth:`CalibrationRecorder.statistics` or its JSON file (``calls`` may be left out)."""
@@ -162,5 +176,15 @@ def input_scales(statistics: dict[str, dict], headroom: float = 1.0, statistic: 
             raise ValueError(f"{name} was never called while recording")
         if not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
             raise ValueError(f"{name} has no positive {field} ({value!r}; NaN or inf inputs while recording?)")
-        scales[name] = value * headroom / GLOBAL_SCALE_DIVISOR
+        scale = value * headroom / GLOBAL_SCALE_DIVISOR
+        if stored_input_scale(scale) is None:
+            raise ValueError(f"{name}: input_scale = {field} {value!r} x headroom {headroom!r} / "
+                             f"{GLOBAL_SCALE_DIVISOR} = {scale!r} is {_as_fp32(scale)} as an fp32 number; it must be "
+                             "positive and finite")
+        scales[name] = scale
     return scales
+
+
+def _as_fp32(value: float) -> str:
+    stored = float(torch.tensor(value, dtype=torch.float32)) if math.isfinite(value) else value
+    return "0" if stored == 0 else repr(stored)

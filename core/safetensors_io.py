@@ -2,16 +2,25 @@
 
 The destination is written tensor by tensor after a header planned from names, dtypes and shapes, into a hidden
 temporary file beside it (never listed by ComfyUI) that is fsynced and renamed over the destination only once
-complete. Any failure (a refusal, an exception, a full disk, an interrupt) removes the temporary file: no partial
-checkpoint is ever left where ComfyUI would list it.
+complete. Any failure (a refusal, an exception, a full disk, an interrupt that raises: Ctrl-C, and SIGTERM in the
+converter, which turns it into an exception) removes the temporary file: no partial checkpoint is ever left where
+ComfyUI would list it.
+
+A process killed outright (SIGKILL, a power cut) cannot clean up. Temporary files are therefore named
+``.<dest name>.<writer pid>.<random>.partial`` (and an overwritten file kept aside during a two-file replacement
+``...old``): every write into a folder first removes the leftovers there whose writer is no longer running (a kept-
+aside file goes back to its name if nothing took that name since), and logs the ones a running process may still be
+writing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
+import re
 import secrets
 import shutil
 import struct
@@ -20,6 +29,9 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 
 Progress = Callable[[int, int, str], None]
+log = logging.getLogger("h3_fused_nvfp4")
+# .<name>.<pid>.<8 hex>.partial (being written) / .old (an overwritten file kept aside until its replacement is in place)
+LEFTOVER_RE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.(?P<kind>partial|old)$")
 
 ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "C64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
              "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
@@ -112,6 +124,60 @@ def _fsync_folder(folder: str) -> None:
         os.close(fd)
 
 
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process (PermissionError), or no way to tell: assume it runs
+        return True
+    return True
+
+
+def clean_leftovers(folder: str) -> list[str]:
+    """Remove the temporary files of writers that are no longer running from ``folder`` (see the module
+    docstring); a kept-aside ``.old`` file goes back to its name when that name is free. Returns the leftovers
+    left in place because their writer still runs (they are logged)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    busy = []
+    for entry in names:
+        match = LEFTOVER_RE.match(entry)
+        if match is None:
+            continue
+        path = os.path.join(folder, entry)
+        if _pid_alive(int(match["pid"])):
+            if int(match["pid"]) != os.getpid():
+                busy.append(path)
+            continue
+        try:
+            if match["kind"] == "old" and not os.path.lexists(os.path.join(folder, match["name"])):
+                os.replace(path, os.path.join(folder, match["name"]))
+                log.warning("H3 fused NVFP4: restored %s, left aside by an interrupted write (process %s)",
+                            match["name"], match["pid"])
+            else:
+                os.unlink(path)
+                log.warning("H3 fused NVFP4: removed %s, left by an interrupted write (process %s)", path,
+                            match["pid"])
+        except OSError as exc:
+            log.warning("H3 fused NVFP4: could not remove %s, left by an interrupted write: %s", path, exc)
+    for path in busy:
+        log.warning("H3 fused NVFP4: %s is a temporary file of process %s, which still runs: left in place "
+                    "(delete it if no write of that process is in progress)", path,
+                    LEFTOVER_RE.match(os.path.basename(path))["pid"])
+    return busy
+
+
+def temporary_name(dest: str, kind: str = "partial") -> str:
+    """A hidden name beside ``dest`` that ComfyUI never lists, carrying this process's id (module docstring)."""
+    folder, name = os.path.split(dest)
+    return os.path.join(folder, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.{kind}")
+
+
 def write_safetensors(dest_path, tensors: Sequence[PlannedTensor], metadata: Mapping[str, str] | None = None, *,
                       progress: Progress | None = None, overwrite: bool = False) -> int:
     """Write ``tensors`` in this order as a safetensors file at ``dest_path`` atomically; returns its size.
@@ -119,6 +185,23 @@ def write_safetensors(dest_path, tensors: Sequence[PlannedTensor], metadata: Map
     Each tensor's ``make()`` is called when its turn comes, so only one tensor's data is held at a time. Refuses
     (:class:`CheckpointRefused`) an existing destination unless ``overwrite``, and a folder without room for the
     whole file. ``progress(done_bytes, total_bytes, name)`` is called after each tensor."""
+    dest = os.path.abspath(os.fspath(dest_path))
+    tmp, size = write_safetensors_partial(dest, tensors, metadata, progress=progress, overwrite=overwrite)
+    try:
+        if os.path.exists(dest) and not overwrite:  # appeared while we wrote
+            raise CheckpointRefused(f"{dest} already exists (pass overwrite=True / --overwrite to replace it)")
+        os.replace(tmp, dest)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    _fsync_folder(os.path.dirname(dest))
+    return size
+
+
+def write_safetensors_partial(dest_path, tensors: Sequence[PlannedTensor], metadata: Mapping[str, str] | None = None,
+                              *, progress: Progress | None = None, overwrite: bool = False) -> tuple[str, int]:
+    """:func:`write_safetensors` up to the rename: the complete, fsynced file under a temporary name beside
+    ``dest_path``, and its size. The caller renames it into place or removes it."""
     dest = os.path.abspath(os.fspath(dest_path))
     metadata = dict(metadata or {})
     check_metadata(metadata)
@@ -133,9 +216,10 @@ def write_safetensors(dest_path, tensors: Sequence[PlannedTensor], metadata: Map
     if free < file_bytes:  # an overwritten file's space only comes back after the rename
         raise CheckpointRefused(f"not enough free disk space in {folder}: the checkpoint needs "
                                 f"{file_bytes / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free")
+    clean_leftovers(folder)
     # Hidden and not named *.safetensors, so ComfyUI never lists a file being written; O_EXCL and the umask-
     # honouring mode of a normal file (mkstemp would make it readable by its owner only).
-    tmp = os.path.join(folder, f".{os.path.basename(dest)}.{secrets.token_hex(4)}.partial")
+    tmp = temporary_name(dest)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -148,14 +232,61 @@ def write_safetensors(dest_path, tensors: Sequence[PlannedTensor], metadata: Map
                     progress(done, data_bytes, planned.name)
             handle.flush()
             os.fsync(handle.fileno())
-        if os.path.exists(dest) and not overwrite:  # appeared while we wrote
-            raise CheckpointRefused(f"{dest} already exists (pass overwrite=True / --overwrite to replace it)")
-        os.replace(tmp, dest)
     except BaseException:
         _remove_quietly(tmp)
         raise
-    _fsync_folder(folder)
-    return file_bytes
+    return tmp, file_bytes
+
+
+def write_bytes_partial(dest_path, data: bytes) -> str:
+    """``data`` in a complete, fsynced temporary file beside ``dest_path`` (named as :func:`temporary_name`);
+    the caller renames it into place or removes it."""
+    tmp = temporary_name(os.path.abspath(os.fspath(dest_path)))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            _write_bytes(handle, data)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    return tmp
+
+
+def replace_together(moves: Sequence[tuple[str, str]], overwrite: bool) -> None:
+    """Rename each complete temporary file onto its destination, all or none: existing destinations (only with
+    ``overwrite``) are kept aside under hidden names until every new file is in place, and put back if any rename
+    fails; the temporary files are removed then. Between the renames a destination may briefly be missing, never
+    a mix of old and new once this returns or raises."""
+    aside: list[tuple[str, str]] = []  # (kept-aside name, destination)
+    placed: list[str] = []
+    try:
+        for _, dest in moves:
+            if os.path.lexists(dest):
+                if not overwrite:
+                    raise CheckpointRefused(f"{dest} already exists (enable overwrite to replace it)")
+                backup = temporary_name(dest, "old")
+                os.replace(dest, backup)
+                aside.append((backup, dest))
+        for tmp, dest in moves:
+            os.replace(tmp, dest)
+            placed.append(dest)
+    except BaseException:
+        for dest in placed:
+            _remove_quietly(dest)
+        for backup, dest in reversed(aside):
+            try:
+                os.replace(backup, dest)
+            except OSError as exc:  # the next write into this folder puts it back (clean_leftovers)
+                log.warning("H3 fused NVFP4: could not put %s back from %s: %s", dest, backup, exc)
+        for tmp, _ in moves:
+            _remove_quietly(tmp)
+        raise
+    for backup, _ in aside:
+        _remove_quietly(backup)
+    if moves:
+        _fsync_folder(os.path.dirname(moves[0][1]))
 
 
 def file_order(single: Iterable[PlannedTensor], groups: Sequence[Sequence[PlannedTensor]]) -> list[PlannedTensor]:

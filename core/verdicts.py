@@ -174,6 +174,7 @@ def _cache_path(key: dict) -> pathlib.Path:
 
 def _load_cached(key: dict) -> Verdict | None:
     path = _cache_path(key)
+    runtime.warn_if_shared(runtime.cache_dir())  # others could plant a passing verdict there
     data = runtime.read_cache_file(path, VERDICT_FILE_MAX_BYTES)
     if data is None:
         return None

@@ -31,8 +31,10 @@ PATHS = ["fused", "comfy"]
 REFERENCE_ON_CPU = os.environ.get("H3_FUSED_NVFP4_REFERENCE_ON_CPU") == "1"
 
 SCOPE_TOOLTIP = (
-    "block: fuse adaLN modulation, SwiGLU and the gated residuals into the NVFP4 pack kernels (fastest). "
-    "linears: only replace each NVFP4 Linear's activation pack. Both are bit-identical to ComfyUI."
+    "block (fastest): fuses the whole H3 block around its NVFP4 Linears: RMSNorm (norm1 / norm2) folded into the "
+    "activation packs, adaLN modulation, SwiGLU, the gated residuals, per-head RMSNorm + RoPE on q and k, and the "
+    "hand-over of norm statistics between consecutive blocks. "
+    "linears: only replaces each NVFP4 Linear's activation pack. Both are bit-identical to ComfyUI."
 )
 
 

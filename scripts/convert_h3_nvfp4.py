@@ -11,7 +11,8 @@ writes, or a hand-written one); each layer gets ``input_scale = value * headroom
 or the percentile ``--statistic`` names (default: the file's ``statistic``, else max).
 
 Runs with ComfyUI's Python: the ComfyUI used is ``$COMFYUI_PATH``, the one this pack is installed in, or
-``../shared/comfyui`` (tools/comfy_env.py). Exits 1 with a one-line error when it refuses.
+``../shared/comfyui`` (tools/comfy_env.py). Exits 1 with a one-line error when it refuses, and when it is stopped
+by SIGTERM (the half-written temporary file is removed first; Ctrl-C too).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import argparse
 import json
 import math
 import pathlib
+import signal
 import sys
+import threading
 
 PACK_ROOT = pathlib.Path(__file__).resolve().parents[1]
 BAR_WIDTH = 30
@@ -116,13 +119,32 @@ def run(args) -> str:
             f"{result['seconds']:.1f} s")
 
 
+class Stopped(BaseException):
+    """SIGTERM (or Ctrl-C) while running: raised where the program is, so every write's cleanup runs."""
+
+
+def _stop(signum, frame):
+    raise Stopped(signal.Signals(signum).name)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # SIGTERM (a service stop, `kill`, a closing terminal's job control) would end the process without any cleanup:
+    # turned into an exception, the streaming writer removes its temporary file as on any failure.
+    handled = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _stop) if handled else None
     try:
         print(run(args))
     except (ValueError, OSError, RuntimeError) as exc:  # refusals (CheckpointRefused is a ValueError), I/O
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
+    except (Stopped, KeyboardInterrupt) as exc:
+        name = str(exc) if isinstance(exc, Stopped) else "Ctrl-C"
+        print(f"error: stopped by {name}; nothing was written", file=sys.stderr)
+        return 1
+    finally:
+        if handled:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

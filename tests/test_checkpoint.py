@@ -6,10 +6,12 @@ from __future__ import annotations
 import errno
 import importlib.util
 import json
+import logging
 import math
 import os
 import pathlib
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -318,6 +320,15 @@ REFUSALS = {
     "scale not positive": (None, lambda s, d: checkpoint.save_with_input_scales(
         s["nvfp4"], d / "x.safetensors", {"blocks.0.attn.qkv_proj": math.nan}, {}),
         checkpoint.CheckpointRefused, "positive finite"),
+    "scale inf as fp32": (None, lambda s, d: checkpoint.save_with_input_scales(
+        s["nvfp4"], d / "x.safetensors", {"blocks.0.attn.qkv_proj": 1e300}, {}),
+        checkpoint.CheckpointRefused, "positive finite number as the fp32"),
+    "scale 0 as fp32": (None, lambda s, d: checkpoint.save_with_input_scales(
+        s["nvfp4"], d / "x.safetensors", {"blocks.0.attn.qkv_proj": 1e-300}, {}),
+        checkpoint.CheckpointRefused, "positive finite number as the fp32"),
+    "scale inf as fp32 converting": (None, lambda s, d: checkpoint.convert_to_nvfp4(
+        s["bf16"], d / "x.safetensors", input_scales={"blocks.0.mlp.fc2": 3.5e38}),
+        checkpoint.CheckpointRefused, "positive finite number as the fp32"),
     "selected layer missing": (None, lambda s, d: checkpoint.convert_to_nvfp4(
         s["bf16"], d / "x.safetensors", layers=["blocks.0.mlp.fc1", "blocks.9.mlp.fc1"]),
         checkpoint.CheckpointRefused, "'blocks.9.mlp.fc1' is not a Linear layer"),
@@ -403,6 +414,12 @@ def test_script_adds_calibrated_scales_to_an_nvfp4_checkpoint(tmp_path, sources,
     ("amax missing", {"layers": {"blocks.0.mlp.fc1": {"max": 1.0}}}, "blocks.0.mlp.fc1 has no positive amax"),
     ("not a calibration file", [1, 2], "cannot read its 'layers'"),
     ("layer left bf16", {"layers": {"token_refiner.blocks.0.mlp.fc1": {"amax": 1.0}}}, "not NVFP4 in the result"),
+    ("amax overflows fp32", {"layers": {"blocks.0.mlp.fc1": {"amax": 1e300}}}, "is inf as an fp32 number"),
+    ("amax underflows fp32", {"layers": {"blocks.0.mlp.fc1": {"amax": 1e-300}}}, "is 0 as an fp32 number"),
+    ("headroom overflows fp32", {"layers": {"blocks.0.mlp.fc1": {"amax": 12.5}}, "headroom": 1e300},
+     "is inf as an fp32 number"),
+    ("nvfp4 source, amax overflows fp32", {"layers": {"blocks.0.mlp.fc1": {"amax": 1e300}}},
+     "is inf as an fp32 number"),
 ])
 def test_script_refuses_in_one_line(tmp_path, sources, capsys, case, calibration, message):
     out_dir = tmp_path / "out"
@@ -412,9 +429,191 @@ def test_script_refuses_in_one_line(tmp_path, sources, capsys, case, calibration
     dest = out_dir / ("existing.safetensors" if case == "target exists" else "new.safetensors")
     argv = [source, str(dest), "--device", "cpu"]
     if calibration is not None:
+        if isinstance(calibration, dict) and "headroom" in calibration:
+            argv += ["--headroom", str(calibration.pop("headroom"))]
         (tmp_path / "calib.json").write_text(json.dumps(calibration))
         argv += ["--calibration", str(tmp_path / "calib.json")]
     assert load_script().main(argv) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
     assert os.listdir(out_dir) == ["existing.safetensors"]
+
+
+# ---- Save Calibrated's two files ---------------------------------------------------------------------------
+
+class RecordedStatistics:
+    """Stands in for a CalibrationRecorder after sampling: every block projection called, fixed amax values."""
+
+    def __init__(self, layers=tuple(BLOCK_LAYERS), amax=2.0):
+        self.layers = {name: None for name in layers}
+        self.amax = amax
+
+    def missing(self):
+        return []
+
+    def statistics(self):
+        return {name: {"amax": self.amax + i, "calls": 3, "samples": [1.0, 2.0], "p99.9": 1.5, "p99": 1.25}
+                for i, name in enumerate(self.layers)}
+
+
+@pytest.fixture
+def models_folder(tmp_path, sources):
+    folder = tmp_path / "diffusion_models"
+    folder.mkdir()
+    shutil.copy(sources["nvfp4"], folder / "h3_nvfp4.safetensors")
+    return folder
+
+
+def save_calibrated(folder, filename, overwrite=False, amax=2.0):
+    return checkpoint.save_calibrated(RecordedStatistics(amax=amax), str(folder / "h3_nvfp4.safetensors"),
+                                      "h3_nvfp4.safetensors", filename, 1.0, "max", overwrite)
+
+
+def folder_bytes(folder) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("filename", ["", "   ", ".safetensors", ".sft", ". .safetensors", "sub/x.safetensors",
+                                      "..\\x.safetensors", "..", " x.safetensors", ".hidden"])
+def test_save_calibrated_refuses_names_comfyui_would_not_list(models_folder, filename):
+    before = folder_bytes(models_folder)
+    with pytest.raises(ValueError, match="file name"):
+        save_calibrated(models_folder, filename)
+    assert folder_bytes(models_folder) == before
+
+
+def test_save_calibrated_adds_the_extension(models_folder):
+    assert "wrote calibrated.safetensors" in save_calibrated(models_folder, "calibrated")
+    assert sorted(os.listdir(models_folder)) == ["calibrated.calibration.json", "calibrated.safetensors",
+                                                 "h3_nvfp4.safetensors"]
+
+
+def _fail_writing_the_statistics(monkeypatch):
+    """No file of the statistics' name can be created (a full disk, a quota): the checkpoint itself was written."""
+    real = os.open
+
+    def open_(path, flags, *args, **kwargs):
+        if ".calibration.json" in os.path.basename(os.fspath(path)) and flags & os.O_CREAT:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+
+
+def _fail_renaming_the_statistics(monkeypatch):
+    """The statistics file is complete under its temporary name, but the rename onto its name fails."""
+    real, failed = os.replace, []
+
+    def replace(src, dst, **kwargs):
+        if os.fspath(dst).endswith(".calibration.json") and not failed:  # the first one; putting back works
+            failed.append(dst)
+            raise OSError(errno.EIO, "Input/output error")
+        return real(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+@pytest.mark.parametrize("fail", [_fail_writing_the_statistics, _fail_renaming_the_statistics])
+def test_save_calibrated_overwrite_never_loses_the_old_pair(models_folder, monkeypatch, fail):
+    save_calibrated(models_folder, "calibrated.safetensors", amax=2.0)
+    before = folder_bytes(models_folder)
+    assert set(before) == {"h3_nvfp4.safetensors", "calibrated.safetensors", "calibrated.calibration.json"}
+    with monkeypatch.context() as m:
+        fail(m)
+        with pytest.raises(OSError):
+            save_calibrated(models_folder, "calibrated.safetensors", overwrite=True, amax=5.0)
+    assert folder_bytes(models_folder) == before, "the earlier pair changed or a file was left behind"
+    save_calibrated(models_folder, "calibrated.safetensors", overwrite=True, amax=5.0)
+    after = folder_bytes(models_folder)
+    assert set(after) == set(before) and after["calibrated.safetensors"] != before["calibrated.safetensors"]
+    assert json.loads(after["calibrated.calibration.json"])["layers"]["blocks.0.attn.qkv_proj"]["amax"] == 5.0
+
+
+def test_save_calibrated_without_overwrite_keeps_a_lone_statistics_file(models_folder):
+    (models_folder / "calibrated.calibration.json").write_text("someone's notes")
+    before = folder_bytes(models_folder)
+    with pytest.raises(ValueError, match="exists"):
+        save_calibrated(models_folder, "calibrated.safetensors")
+    assert folder_bytes(models_folder) == before
+
+
+# ---- interrupted writes ------------------------------------------------------------------------------------
+
+# Runs the converter with its writes stalled after the header and one tensor (printing STALLED): a signal then
+# arrives while the hidden temporary file is half written, as in a real multi-GB conversion.
+STALLED_CONVERTER = """
+import os, runpy, sys, time
+sys.path.insert(0, {root!r})
+import report
+report.import_pack()
+from h3_fused_nvfp4.core import safetensors_io
+real, calls = safetensors_io._write_bytes, []
+def stalled(handle, data):
+    real(handle, data)
+    calls.append(1)
+    if len(calls) == 2:
+        handle.flush()
+        print("STALLED", flush=True)
+        time.sleep(600)
+safetensors_io._write_bytes = stalled
+sys.argv = ["convert_h3_nvfp4.py", *sys.argv[1:]]
+runpy.run_path(os.path.join({root!r}, "scripts", "convert_h3_nvfp4.py"), run_name="__main__")
+"""
+
+
+def stalled_conversion(source, dest):
+    env = dict(os.environ, COMFYUI_PATH=str(ch.comfy().root), H3_FUSED_NVFP4_SELFCHECK="skip")
+    proc = subprocess.Popen([sys.executable, "-c", STALLED_CONVERTER.format(root=str(REPO_ROOT)), str(source),
+                             str(dest), "--device", "cpu"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        line = proc.stdout.readline()  # the child writes nothing else to stdout before it stalls
+        assert line.strip() == "STALLED", line + proc.stderr.read()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
+
+
+def partials(folder):
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".partial"))
+
+
+def test_sigterm_during_a_conversion_leaves_no_partial_file(tmp_path, sources):
+    out = tmp_path / "diffusion_models"
+    out.mkdir()
+    proc = stalled_conversion(sources["bf16"], out / "h3_nvfp4.safetensors")
+    (partial,) = partials(out)
+    assert f".{proc.pid}." in partial and (out / partial).stat().st_size > 0
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err
+    assert err.strip().count("\n") == 0 and "SIGTERM" in err, err
+    assert os.listdir(out) == []
+
+
+def test_sigkill_leftovers_are_removed_by_the_next_write_to_the_folder(tmp_path, sources, caplog):
+    out = tmp_path / "diffusion_models"
+    out.mkdir()
+    proc = stalled_conversion(sources["bf16"], out / "h3_nvfp4.safetensors")
+    proc.kill()
+    proc.communicate(timeout=60)
+    (killed,) = partials(out)
+    assert f".{proc.pid}." in killed
+    # a running writer's file stays; a file kept aside by a killed two-file replacement goes back to its name
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        running = out / f".other.safetensors.{sleeper.pid}.0123abcd.partial"
+        running.write_bytes(b"being written")
+        kept_aside = out / f".old_pair.safetensors.{proc.pid}.89abcdef.old"
+        kept_aside.write_bytes(b"the user's earlier checkpoint")
+        caplog.set_level(logging.WARNING, logger="h3_fused_nvfp4")
+        checkpoint.save_with_input_scales(sources["nvfp4"], out / "next.safetensors", {"blocks.0.mlp.fc1": 0.01}, {})
+        assert sorted(os.listdir(out)) == sorted([running.name, "next.safetensors", "old_pair.safetensors"])
+        assert (out / "old_pair.safetensors").read_bytes() == b"the user's earlier checkpoint"
+        messages = " ".join(r.getMessage() for r in caplog.records)
+        assert killed in messages and running.name in messages and "still runs" in messages
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -16,11 +16,13 @@ scripts/compare_kernel_sass.py OLD_REF compares the SASS of every kernel against
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 import re
 import shutil
 import subprocess
+import threading
 
 import pytest
 
@@ -330,3 +332,61 @@ def test_nvrtc_is_looked_for_where_linux_and_windows_installs_keep_it(tmp_path, 
     assert not [p for p in found if ".alt." in p or "builtins" in p] and len(found) == len(set(found))
     builtins = runtime._libraries_in(str(site / "nvidia/cu13/bin/x86_64"), runtime.NVRTC_BUILTINS_NAMES)
     assert [os.path.basename(b) for b in builtins] == ["nvrtc-builtins64_130.dll"]
+
+
+# ---- hostile cache paths -------------------------------------------------------------------------------------
+
+def _within(seconds, fn):
+    """``fn()`` in a daemon thread: a call that blocks (reading a FIFO) fails the test instead of hanging it."""
+    result, error = [], []
+
+    def target():
+        try:
+            result.append(fn())
+        except BaseException as exc:  # handed to the test
+            error.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s (blocked on a cache file?)"
+    if error:
+        raise error[0]
+    return result[0]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "oversized", "link to another file"])
+def test_a_hostile_cache_path_is_rebuilt_without_hanging_or_following_links(fake_build, kind, tmp_path, caplog):
+    cache, calls = fake_build
+    path = runtime.cubin_cache_path("sm_120a")
+    cache.mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not the cache's to change")
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link to /dev/zero":
+        os.symlink("/dev/zero", path)
+    elif kind == "link to another file":
+        os.symlink(victim, path)
+    else:
+        with open(path, "wb") as f:
+            f.truncate(runtime.CUBIN_MAX_BYTES + 1)  # sparse: no disk used
+    caplog.set_level(logging.WARNING, logger="h3_fused_nvfp4")
+    cubin = _within(30, lambda: runtime.cached_cubin("sm_120a"))
+    assert cubin.startswith(b"\x7fELF fake cubin sm_120a") and len(calls) == 1, "not rebuilt"
+    assert path.is_file() and not path.is_symlink() and path.read_bytes().startswith(cubin)
+    assert victim.read_bytes() == b"not the cache's to change", "the write followed a planted link"
+    assert any(str(path) in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert _within(30, lambda: runtime.cached_cubin("sm_120a")) == cubin and len(calls) == 1
+
+
+def test_a_cache_folder_others_can_write_is_warned_about(fake_build, monkeypatch, caplog):
+    cache, _ = fake_build
+    monkeypatch.setattr(runtime, "_warned_folders", set())
+    cache.mkdir(parents=True)
+    os.chmod(cache, 0o777)
+    caplog.set_level(logging.WARNING, logger="h3_fused_nvfp4")
+    runtime.cached_cubin("sm_100a")
+    runtime.cached_cubin("sm_100a")
+    warnings = [r.getMessage() for r in caplog.records if "writable by other users" in r.getMessage()]
+    assert len(warnings) == 1 and str(cache) in warnings[0] and "H3_FUSED_NVFP4_CACHE" in warnings[0]

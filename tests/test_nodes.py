@@ -334,3 +334,21 @@ def test_torch_compile_traces_the_stock_path(comfyui):
         torch._dynamo.reset()
     assert_bit_identical(first, stock, "compiled")
     assert_bit_identical(eager, stock, "eager fused")
+
+
+# What scope=block fuses (models/h3/block.py: FusedBlock, FusedAttention, FusedSwigluMLP): the tooltip and the README
+# say the same.
+SCOPE_BLOCK_FUSES = ("RMSNorm (norm1 / norm2) folded into the activation packs", "adaLN modulation", "SwiGLU",
+                     "gated residuals", "per-head RMSNorm + RoPE", "hand-over of norm statistics between consecutive "
+                     "blocks")
+
+
+def test_scope_tooltip_and_readme_name_everything_block_fuses(comfyui):
+    from h3_fused_nvfp4 import nodes
+
+    readme = " ".join((ch.REPO_ROOT / "README.md").read_text(encoding="utf-8").split())
+    scope_text = readme[readme.index("`block` (default) fuses"):]
+    scope_text = scope_text[:scope_text.index("bit-identical")]
+    for phrase in SCOPE_BLOCK_FUSES:
+        assert phrase in nodes.SCOPE_TOOLTIP, phrase
+        assert phrase in scope_text, phrase

@@ -45,9 +45,10 @@ NODE_IDS = {"H3FusedNVFP4Loader", "H3FusedNVFP4Patch", "H3FusedNVFP4Toggle", "H3
             "H3FusedNVFP4SaveCalibrated"}
 FOLDER_NAME = "h3-fused-nvfp4"  # what a registry install names the folder: the node id
 
-# comfy-kitchen as pinned by ComfyUI's requirements.txt when this was written; our lower bound must admit it, or
-# installing the pack would move ComfyUI's own comfy-kitchen.
-COMFYUI_COMFY_KITCHEN_PIN = "0.2.36"
+# The oldest ComfyUI the pack declares (requires-comfyui) and the comfy-kitchen its requirements.txt pins: the lower
+# bound must admit it (and every later ComfyUI's pin), or installing the pack would move ComfyUI's own comfy-kitchen.
+OLDEST_COMFYUI = "0.33.0"
+OLDEST_COMFYUI_COMFY_KITCHEN_PIN = "0.2.31"
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9]*(?:[-_.][a-z0-9]+)*$")
 SEMVER_RE = re.compile(r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)$")
@@ -193,11 +194,32 @@ def test_requirements_txt_matches_pyproject(pyproject):
     assert normalized(requirement_lines(REQUIREMENTS_PATH)) == normalized(pyproject["project"]["dependencies"])
 
 
-def test_comfy_kitchen_bound_admits_comfyuis_pin(pyproject):
-    deps = {canonicalize_name(Requirement(r).name): Requirement(r) for r in pyproject["project"]["dependencies"]}
-    spec = deps["comfy-kitchen"].specifier
-    assert str(spec).startswith(">="), "a lower bound only: ComfyUI pins comfy-kitchen exactly and moves it often"
-    assert Version(COMFYUI_COMFY_KITCHEN_PIN) in spec
+def _comfy_kitchen_spec(requirements) -> SpecifierSet:
+    deps = {canonicalize_name(Requirement(r).name): Requirement(r) for r in requirements}
+    return deps["comfy-kitchen"].specifier
+
+
+def test_comfy_kitchen_bound_never_moves_a_supported_comfyuis_pin(pyproject):
+    assert pyproject["tool"]["comfy"]["requires-comfyui"] == f">={OLDEST_COMFYUI}", "update OLDEST_COMFYUI's pin"
+    for source, spec in (("pyproject.toml", _comfy_kitchen_spec(pyproject["project"]["dependencies"])),
+                         ("requirements.txt", _comfy_kitchen_spec(requirement_lines(REQUIREMENTS_PATH)))):
+        assert str(spec).startswith(">="), f"{source}: a lower bound only (ComfyUI pins comfy-kitchen exactly)"
+        assert Version(OLDEST_COMFYUI_COMFY_KITCHEN_PIN) in spec, f"{source}: {spec} moves ComfyUI " \
+            f"{OLDEST_COMFYUI} off comfy-kitchen=={OLDEST_COMFYUI_COMFY_KITCHEN_PIN}"
+    # the ComfyUI the tests run: its own pin is admitted too
+    from h3_fused_nvfp4.tools import comfy_env
+
+    location = comfy_env.find_comfyui()
+    if location is not None and (location.root / "requirements.txt").is_file():
+        pins = re.findall(r"^comfy-kitchen\s*==\s*([\w.]+)", (location.root / "requirements.txt").read_text(), re.M)
+        for pin in pins:
+            assert Version(pin) in _comfy_kitchen_spec(pyproject["project"]["dependencies"]), pin
+        if _tested_comfyui_version() == OLDEST_COMFYUI:
+            assert pins == [OLDEST_COMFYUI_COMFY_KITCHEN_PIN]
+
+
+def test_comfy_kitchen_bound_admits_the_installed_one(pyproject):
+    spec = _comfy_kitchen_spec(pyproject["project"]["dependencies"])
     try:
         from importlib.metadata import version
 

@@ -9,7 +9,10 @@ tests/test_kernel_build.py.)
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import threading
 import time
 
 import pytest
@@ -163,3 +166,104 @@ def test_a_check_that_raises_is_a_failed_check_not_an_exception(monkeypatch):
     monkeypatch.setattr(fused_ops, "gated_residual_", broken)
     results = verdicts.run_probes(fused_ops, CPU, PROBE_SETS)
     assert results["gated_residual"].ok is False and "kernel exploded (planted)" in results["gated_residual"].detail
+
+
+# ---- damaged, foreign or hostile verdict files -------------------------------------------------------------
+
+def within(seconds: float, fn):
+    """``fn()``'s result, run in a daemon thread: a call that blocks (a FIFO read) fails the test, never hangs it."""
+    result, error = [], []
+
+    def target():
+        try:
+            result.append(fn())
+        except BaseException as exc:  # handed to the test
+            error.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s (blocked on a cache file?)"
+    if error:
+        raise error[0]
+    return result[0]
+
+
+def verdict_path():
+    return verdicts._cache_path(verdicts.environment_key(CPU, PROBE_SETS))
+
+
+@pytest.fixture
+def count_runs(monkeypatch):
+    runs = []
+    real = verdicts.run_probes
+
+    def counted(*args, **kwargs):
+        runs.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(verdicts, "run_probes", counted)
+    return runs
+
+
+def passed_op_zero(text: str) -> str:
+    data = json.loads(text)
+    name = next(n for n, r in data["ops"].items() if r["ok"] is True)
+    data["ops"][name]["ok"] = 0  # a falsy non-boolean: neither passed nor failed
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize("content", ["[]", "null", '"x"', '{"ops": []}', "{", "ok: 0"])
+def test_a_verdict_file_of_another_shape_is_ignored_and_the_check_reruns(content, count_runs, caplog):
+    path = verdict_path()
+    if content == "ok: 0":  # this environment's own verdict, one op's "ok" changed to 0
+        verdicts.kernel_verdict(CPU, PROBE_SETS, fused_ops)
+        verdicts.forget_verdicts()
+        count_runs.clear()
+        content = passed_op_zero(path.read_text())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content)
+    caplog.set_level(logging.INFO, logger="h3_fused_nvfp4")
+    clone, report = within(60, lambda: patched_model([syn.make_dit_block(seed=21)]))
+    assert report.applied and "self-check passed" in report.summary(), report.summary()
+    assert count_runs == [1], "the check did not run again"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("ignoring the self-check verdict file" in w for w in warnings), warnings
+    assert verdicts.Verdict.from_json(json.loads(path.read_text()), verdicts.environment_key(CPU, PROBE_SETS))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "oversized"])
+def test_a_hostile_verdict_path_neither_hangs_nor_is_trusted(kind, count_runs, caplog, tmp_path):
+    path = verdict_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link to /dev/zero":
+        os.symlink("/dev/zero", path)
+    else:
+        path.write_bytes(b" " * (verdicts.VERDICT_FILE_MAX_BYTES + 1))
+    caplog.set_level(logging.WARNING, logger="h3_fused_nvfp4")
+    verdict = within(60, lambda: verdicts.kernel_verdict(CPU, PROBE_SETS, fused_ops))
+    assert verdict.origin == "ran" and not verdict.failed() and count_runs == [1]
+    assert path.is_file() and not path.is_symlink() and path.stat().st_size < verdicts.VERDICT_FILE_MAX_BYTES
+    assert any(str(path) in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_a_verdict_cache_others_can_write_is_warned_about(own_cache, monkeypatch, caplog):
+    from h3_fused_nvfp4.kernels import runtime
+
+    monkeypatch.setattr(runtime, "_warned_folders", set())
+    own_cache.mkdir(parents=True, exist_ok=True)
+    os.chmod(own_cache, 0o777)
+    caplog.set_level(logging.WARNING, logger="h3_fused_nvfp4")
+    verdicts.kernel_verdict(CPU, PROBE_SETS, fused_ops)
+    assert any("writable by other users" in r.getMessage() for r in caplog.records)
+
+
+def test_an_unknown_selfcheck_mode_is_auto_with_one_warning(monkeypatch, caplog):
+    monkeypatch.setattr(verdicts, "_warned_mode", set())
+    monkeypatch.setenv(verdicts.SELFCHECK_ENV, "banana")
+    caplog.set_level(logging.WARNING, logger="h3_fused_nvfp4")
+    assert verdicts.mode() == "auto" and verdicts.mode() == "auto"
+    warnings = [r.getMessage() for r in caplog.records if "banana" in r.getMessage()]
+    assert len(warnings) == 1 and verdicts.SELFCHECK_ENV in warnings[0] and "auto" in warnings[0], warnings

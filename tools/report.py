@@ -508,6 +508,60 @@ def dram_bytes(args) -> dict:
     return out
 
 
+# ---- what the JSON may say about this machine ----------------------------------------------------------------
+
+def out_problem(out: str | None) -> str | None:
+    """Why the JSON could not be written to ``out`` (None: it can; None stands for the default name in the current
+    folder)."""
+    path = pathlib.Path(out) if out else pathlib.Path.cwd() / "h3-fused-nvfp4-report.json"
+    if path.is_dir():
+        return f"--out {out}: a folder; give a file name, e.g. {path / 'my-gpu.json'}"
+    folder = path.parent
+    if not folder.is_dir():
+        return f"--out {out}: the folder {folder} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"--out {out}: the folder {folder} is not writable"
+    return None
+
+
+def local_paths(comfy_root: pathlib.Path | None) -> list[tuple[str, str]]:
+    """(absolute local path, what the shared JSON says instead), longest first: the JSON is made to be shared, so
+    it names folders by role, never by where they are on this machine."""
+    places = [(comfy_root, "<ComfyUI>"), (PACK_ROOT, "<pack>"), (pathlib.Path(sys.executable).parent, "<python>"),
+              (pathlib.Path(sys.prefix), "<python env>"), (pathlib.Path(sys.base_prefix), "<python>"),
+              (pathlib.Path.cwd(), "."), (pathlib.Path.home(), "~")]
+    pairs = {}
+    for path, label in places:
+        if path is None:
+            continue
+        for variant in {str(path), str(path.resolve())}:
+            if len(variant) > 1:  # never "/"
+                pairs.setdefault(variant, label)
+    return sorted(pairs.items(), key=lambda kv: -len(kv[0]))
+
+
+def without_local_paths(value, pairs: list[tuple[str, str]]):
+    """``value`` (JSON data) with every local path of ``pairs`` replaced by its label."""
+    if isinstance(value, str):
+        for path, label in pairs:
+            value = value.replace(path, label)
+        return value
+    if isinstance(value, dict):
+        return {k: without_local_paths(v, pairs) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [without_local_paths(v, pairs) for v in value]
+    return value
+
+
+def shared_argument(arg: str) -> str:
+    """A command-line argument as the JSON records it: an absolute path by its file name only."""
+    return pathlib.Path(arg).name if os.path.isabs(arg) else arg
+
+
+CPU_NOTE = ("CPU run: a wiring check at a reduced width with the Python twin of the kernels against ComfyUI's real "
+            "code; no CUDA kernel ran and no speed figure is measured (run it on an NVIDIA GPU for those)")
+
+
 # ---- main --------------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
@@ -516,11 +570,16 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=6, help="timed repetitions per arm")
     parser.add_argument("--dram", action="store_true", help="DRAM bytes per kernel from Nsight Compute (ncu)")
     parser.add_argument("--all-static", action="store_true", help="every projection with a static input_scale")
-    parser.add_argument("--static-layers", action="append", help="a projection with a static input_scale")
+    parser.add_argument("--static-layers", action="append", choices=LINEAR_PATHS, metavar="LAYER",
+                        help=f"a projection with a static input_scale: one of {', '.join(LINEAR_PATHS)} (repeatable)")
     parser.add_argument("--skip-profile", action="store_true", help="the self-check only")
     parser.add_argument("--ncu-timeout", type=int, default=900)
     parser.add_argument("--ncu-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if not args.ncu_child:
+        problem = out_problem(args.out)
+        if problem:
+            parser.error(problem)  # before the run, not after it
 
     comfy = comfy_env.import_comfyui()
     # comfy-kitchen warns on every emulated FP4 GEMM (no FP4 tensor cores): the JSON names the emulation instead.
@@ -528,20 +587,28 @@ def main(argv=None) -> int:
     if args.ncu_child:
         return _ncu_child(args)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    cpu = device.type != "cuda"
     print(f"H3 fused NVFP4 report: ComfyUI {comfy.version} at {comfy.location.root} ({comfy.location.how}); "
           f"device {device_info(device).get('name')}; torch {torch.__version__}")
+    if cpu:
+        print(f"  {CPU_NOTE}")
     os.environ.setdefault(verdicts.SELFCHECK_ENV, "force")
     verdict = verdicts.kernel_verdict(device, PROBE_SETS, backend_for(device))
     for name, r in verdict.ops.items():
         state = {True: "ok", False: "FAILED", None: "n/a"}[r.ok]
         print(f"  self-check {name:15s} {state:6s} {r.ms:7.1f} ms  {r.detail}")
-    print(f"  {verdict.summary()}")
+    where = " on the CPU, Python twin of the kernels (no CUDA kernel ran)" if cpu else ""
+    print(f"  {verdict.summary()}{where}")
     result = {"device": device_info(device),
-              "versions": {"comfyui": comfy.version, "comfyui_path": str(comfy.location.root),
+              "versions": {"comfyui": comfy.version, "comfyui_folder": comfy.location.root.name,
                            "comfyui_found_as": comfy.location.how, "comfy_kitchen": package_version("comfy-kitchen"),
                            "torch": torch.__version__, "pack": _pack_version()},
               "gemm_mode": gemm_mode(device),
               "selfcheck": verdict.to_json() | {"summary": verdict.summary(), "origin": verdict.origin}}
+    if cpu:
+        result["run_kind"] = CPU_NOTE
+        result["selfcheck"]["note"] = ("on the CPU the self-check compares the Python twin of the kernels with "
+                                       "ComfyUI's ops: no CUDA kernel ran")
     h3_missing = comfy_env.h3_importable()
     if args.skip_profile or h3_missing:
         result["workload"] = {"skipped": h3_missing or "--skip-profile"}
@@ -553,14 +620,17 @@ def main(argv=None) -> int:
             result["native_pack_validation"] = pack_validation(device)
             if args.dram:
                 result["dram"] = dram_bytes(args)
-    result["source_artifacts"] = {"command": " ".join(["python report.py", *(argv if argv is not None else sys.argv[1:])]),
-                                  "pack": str(PACK_ROOT)}
+    command = ["python report.py", *map(shared_argument, argv if argv is not None else sys.argv[1:])]
+    result["source_artifacts"] = {"command": " ".join(command), "pack": PACK_ROOT.name}
+    # Made to be shared: no local path of this machine (the pack, ComfyUI, Python, the home and current folders).
+    result = without_local_paths(json.loads(json.dumps(result, default=str)), local_paths(comfy.location.root))
     name = (result["device"].get("name", "cpu")).replace(" ", "-").lower()
     out = pathlib.Path(args.out or f"h3-fused-nvfp4-report-{name}.json")
     out.write_text(json.dumps(result, indent=1, default=str))
     v = result.get("validation", {})
     if v:
-        print(f"block output: {v['block_output_differing_elements']} differing elements "
+        scope = " (CPU wiring check at a reduced width, Python twin: no CUDA kernel ran, no speed measured)" if cpu else ""
+        print(f"block output{scope}: {v['block_output_differing_elements']} differing elements "
               f"(max |diff| {v['block_output_max_abs_diff']}), {v['block_output_nonfinite_elements']} not finite")
     if "summary" in result:
         s = result["summary"]

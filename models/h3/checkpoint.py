@@ -50,8 +50,8 @@ from ... import comfy_adapter
 from ...core import calibration
 from ...core.nvfp4_weights import comfy_quant_tag, nvfp4_checkpoint_entries
 from ...core.safetensors_io import (ITEMSIZE, CheckpointRefused, PlannedTensor, Progress, check_metadata,
-                                    file_order, write_safetensors)
-from ...kernels import runtime
+                                    file_order, replace_together, write_bytes_partial, write_safetensors,
+                                    write_safetensors_partial)
 from ...layout import NVFP4_LAYOUT, packed_shapes
 from .structure import LINEAR_PATHS
 
@@ -209,9 +209,10 @@ def _resolve_input_scales(info: CheckpointInfo, input_scales: Mapping[str, float
         if layer not in nvfp4_layers:
             raise CheckpointRefused(f"input scale for {name!r}: the layer is not NVFP4 in the result (it is "
                                     f"{info.describe(layer)}); a static input scale applies to NVFP4 layers only")
+        if calibration.stored_input_scale(value) is None:
+            raise CheckpointRefused(f"input scale for {name!r} is {value!r}; it must be a positive finite number "
+                                    "as the fp32 a checkpoint stores (inf or 0 there gives NaN or zero outputs)")
         scale = float(value)
-        if not (math.isfinite(scale) and scale > 0):
-            raise CheckpointRefused(f"input scale for {name!r} is {value!r}; it must be a positive finite number")
         if layer in resolved:
             raise CheckpointRefused(f"input scale for {layer} is given twice")
         resolved[layer] = scale
@@ -234,6 +235,12 @@ def save_with_input_scales(source_path, dest_path, input_scales: Mapping[str, fl
     """Copy an H3 checkpoint with an fp32 scalar ``{layer}.input_scale`` for each NVFP4 layer of ``input_scales``
     (layer names as in the file or relative to the model; an existing input scale of the layer is replaced).
     The file's metadata is kept, ``metadata`` merged into it. Returns a report."""
+    return _with_input_scales(source_path, dest_path, input_scales, metadata, progress, overwrite, partial=False)
+
+
+def _with_input_scales(source_path, dest_path, input_scales, metadata, progress, overwrite, *, partial: bool) -> dict:
+    """:func:`save_with_input_scales`; ``partial``: stop before the rename, the report's ``partial`` is the
+    complete temporary file (the caller renames or removes it)."""
     started = time.monotonic()
     source = os.path.abspath(os.fspath(source_path))
     dest = os.path.abspath(os.fspath(dest_path))
@@ -242,6 +249,7 @@ def save_with_input_scales(source_path, dest_path, input_scales: Mapping[str, fl
     check_metadata(metadata)
     if not input_scales:
         raise CheckpointRefused("no input scales given")
+    tmp = None
     with _open(source) as handle:
         info = _inspect(handle, source)
         nvfp4 = [layer for layer, fmt in info.layer_formats.items() if fmt == NVFP4_FORMAT]
@@ -249,11 +257,15 @@ def save_with_input_scales(source_path, dest_path, input_scales: Mapping[str, fl
         replaced = {f"{layer}.input_scale" for layer in scales} & info.tensors.keys()
         planned = [_copied(handle, info, name) for name in info.tensors if name not in replaced]
         planned += [_scalar(f"{layer}.input_scale", scale) for layer, scale in scales.items()]
-        size = write_safetensors(dest, file_order(planned, []), {**info.metadata, **metadata},
-                                 progress=progress, overwrite=overwrite)
+        if partial:
+            tmp, size = write_safetensors_partial(dest, file_order(planned, []), {**info.metadata, **metadata},
+                                                  progress=progress, overwrite=overwrite)
+        else:
+            size = write_safetensors(dest, file_order(planned, []), {**info.metadata, **metadata},
+                                     progress=progress, overwrite=overwrite)
     return {"dest": dest, "input_scales": {info.relative(layer): scale for layer, scale in scales.items()},
             "replaced": sorted(info.relative(name[:-len(".input_scale")]) for name in replaced),
-            "tensors": len(planned), "bytes": size, "seconds": time.monotonic() - started}
+            "tensors": len(planned), "bytes": size, "seconds": time.monotonic() - started, "partial": tmp}
 
 
 def _refuse_same_file(source: str, dest: str) -> None:
@@ -411,11 +423,38 @@ def _json_text(value, indent=None) -> str:
     return json.dumps(clean(value), indent=indent, allow_nan=False)
 
 
+CHECKPOINT_SUFFIXES = (".safetensors", ".sft")
+
+
+def checkpoint_file_name(filename: str) -> str:
+    """The file name Save Calibrated writes for ``filename`` (``.safetensors`` added unless it ends with one of
+    ComfyUI's checkpoint suffixes); ValueError for a name ComfyUI would not list or that leaves the folder."""
+    if not isinstance(filename, str) or not filename.strip():
+        raise ValueError("file name is empty: give the new checkpoint a name, e.g. h3_nvfp4_calibrated.safetensors")
+    if filename != filename.strip():
+        raise ValueError(f"file name {filename!r} starts or ends with white space")
+    if any(sep in filename for sep in ("/", "\\", os.sep, os.altsep or "/")) or filename in (".", ".."):
+        raise ValueError(f"file name {filename!r}: a plain file name, no folders (the file goes into the source's "
+                         "models/diffusion_models folder)")
+    if any(ord(c) < 32 for c in filename):
+        raise ValueError(f"file name {filename!r} contains a control character")
+    if not filename.lower().endswith(CHECKPOINT_SUFFIXES):
+        filename += ".safetensors"
+    stem = filename.rsplit(".", 1)[0]
+    if not stem.strip(" ."):
+        raise ValueError(f"file name {filename!r} is only an extension: ComfyUI lists no such file")
+    if stem.startswith("."):
+        raise ValueError(f"file name {filename!r} starts with '.': a hidden file")
+    return filename
+
+
 def save_calibrated(recorder, source: str, unet_name: str, filename: str, headroom: float, statistic: str,
                     overwrite: bool, progress: Progress | None = None) -> str:
     """Write ``filename`` beside ``source`` (the checkpoint ``unet_name`` the model was loaded from): its tensors
-    unchanged + the recorded input scales, and the statistics as JSON beside it (both or neither). Returns the
-    summary line."""
+    unchanged + the recorded input scales, and the statistics as JSON beside it. Both files or neither: both are
+    written completely under temporary names first, then renamed into place together; an overwritten pair is kept
+    aside until the new one is in place and put back on a failure. Returns the summary line."""
+    filename = checkpoint_file_name(filename)
     if recorder is None or not recorder.layers:
         raise ValueError("no calibration data: connect the MODEL that went through 'Calibrate H3 NVFP4 Scales' "
                          "and a sampler (the sampler must run before this node)")
@@ -425,10 +464,8 @@ def save_calibrated(recorder, source: str, unet_name: str, filename: str, headro
                          "run the whole sampling with the calibrating model first")
     stats = recorder.statistics()
     scales = calibration.input_scales(stats, headroom, statistic)
-    if not filename.endswith((".safetensors", ".sft")):
-        filename += ".safetensors"
     folder = os.path.dirname(source)  # the models/diffusion_models folder the source was found in
-    dest = os.path.join(folder, os.path.basename(filename))
+    dest = os.path.join(folder, filename)
     stats_path = pathlib.Path(dest.rsplit(".", 1)[0] + ".calibration.json")
     if stats_path.exists() and not overwrite:
         raise ValueError(f"{stats_path} exists; choose another name or enable overwrite")
@@ -436,11 +473,15 @@ def save_calibrated(recorder, source: str, unet_name: str, filename: str, headro
     metadata = {"h3_fused_nvfp4.calibration": _json_text(
         {**summary, "layers": {k: {key: v[key] for key in ("amax", "calls", *calibration.STATISTICS[1:])}
                                for k, v in stats.items()}})}
-    report = save_with_input_scales(source, dest, scales, metadata, progress=progress, overwrite=overwrite)
+    report = _with_input_scales(source, dest, scales, metadata, progress, overwrite, partial=True)
+    stats_tmp = None
     try:
-        runtime.atomic_write(stats_path, _json_text({**summary, "layers": stats}, indent=1).encode())
-    except OSError:  # both files or neither
-        os.remove(dest)
+        stats_tmp = write_bytes_partial(stats_path, _json_text({**summary, "layers": stats}, indent=1).encode())
+        replace_together([(report["partial"], dest), (stats_tmp, str(stats_path))], overwrite)
+    except BaseException:
+        for tmp in (report["partial"], stats_tmp):
+            if tmp is not None and os.path.lexists(tmp):
+                os.unlink(tmp)
         raise
     return (f"H3 fused NVFP4: wrote {os.path.basename(dest)} with a static input_scale for {len(scales)} layers "
             f"({statistic} x {headroom}); statistics in {stats_path.name}; {report['seconds']:.1f} s")
