@@ -27,10 +27,18 @@ import report  # noqa: E402  (the repository's report.py: imports this folder as
 
 report.import_pack()
 
-from h3_fused_nvfp4.tools import comfy_env, synthetic as syn  # noqa: E402
-from h3_fused_nvfp4.tools.report import (  # noqa: E402
-    HOST_LEAD_CYCLES, MARKER, copy_bandwidth_gbs, device_info, kernel_profile, time_ms, warm_up_gpu)
 from h3_fused_nvfp4.kernels import cuda_ops as ops  # noqa: E402
+from h3_fused_nvfp4.tools import comfy_env  # noqa: E402
+from h3_fused_nvfp4.tools import synthetic as syn
+from h3_fused_nvfp4.tools.report import (  # noqa: E402
+    HOST_LEAD_CYCLES,
+    MARKER,
+    copy_bandwidth_gbs,
+    device_info,
+    kernel_profile,
+    time_ms,
+    warm_up_gpu,
+)
 
 ROWS = sum(syn.FULL_TOKENS)  # 37,810: the 1344x768, 124-frame layout
 WIDTHS = (5376, 7168, 14336)  # out_proj / qkv_proj and fc1 inputs, fc2 input
@@ -93,7 +101,8 @@ def main():
                  and torch.equal(g.reshape(1), f.global_scale) and torch.equal(alpha.reshape(1), f.alpha))
         fs = fused_static()
         qs, ss, _ = comfy_static()
-        equal_static = torch.equal(qs, fs.qdata) and torch.equal(ss.view(torch.uint8), fs.block_scales.view(torch.uint8))
+        equal_static = torch.equal(qs, fs.qdata) and torch.equal(ss.view(torch.uint8),
+                                                                  fs.block_scales.view(torch.uint8))
 
         arms = {"comfy_dynamic": comfy_dynamic, "fused_dynamic": fused_dynamic,
                 "comfy_static": comfy_static, "fused_static": fused_static}
@@ -147,7 +156,8 @@ def main():
         m, frac = r["median_ms"], r["fraction_of_copy_bandwidth"]
         print(f"{r['cols']:>6} {m['comfy_dynamic']:>10.3f} {m['fused_dynamic']:>10.3f} {r['speedup_dynamic']:>5.2f} "
               f"{m['comfy_static']:>9.3f} {m['fused_static']:>9.3f} {r['speedup_static']:>5.2f} "
-              f"{100 * frac['fused_dynamic']:>8.0f}% {100 * frac['reduction_kernel']:>8.0f}% {100 * frac['pack_kernel']:>9.0f}% "
+              f"{100 * frac['fused_dynamic']:>8.0f}% {100 * frac['reduction_kernel']:>8.0f}% "
+              f"{100 * frac['pack_kernel']:>9.0f}% "
               f"{str(r['bit_identical_dynamic'] and r['bit_identical_static']):>6} {r['launches_per_projection']}")
 
 

@@ -16,9 +16,8 @@ sys.path.insert(0, str(ROOT))
 import report  # noqa: E402  (the repository's report.py: imports this folder as the package h3_fused_nvfp4)
 
 report.import_pack()
-from h3_fused_nvfp4.tools.report import copy_bandwidth_gbs, device_info, time_ms, warm_up_gpu  # noqa: E402
-
 from h3_fused_nvfp4.kernels import cuda_ops as ops  # noqa: E402
+from h3_fused_nvfp4.tools.report import copy_bandwidth_gbs, device_info, time_ms, warm_up_gpu  # noqa: E402
 
 
 def main():

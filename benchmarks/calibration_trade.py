@@ -26,7 +26,8 @@ import report  # noqa: E402  (the repository's report.py: imports this folder as
 report.import_pack()
 
 from h3_fused_nvfp4.core import calibration as calibrate  # noqa: E402
-from h3_fused_nvfp4.tools import comfy_env, synthetic as syn  # noqa: E402
+from h3_fused_nvfp4.tools import comfy_env  # noqa: E402
+from h3_fused_nvfp4.tools import synthetic as syn
 from h3_fused_nvfp4.tools.report import device_info  # noqa: E402
 
 

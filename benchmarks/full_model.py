@@ -45,7 +45,8 @@ import report  # noqa: E402  (the repository's report.py: imports this folder as
 
 report.import_pack()
 
-from h3_fused_nvfp4.tools import comfy_env, synthetic as syn  # noqa: E402
+from h3_fused_nvfp4.tools import comfy_env  # noqa: E402
+from h3_fused_nvfp4.tools import synthetic as syn
 
 SIGMAS = (0.7, 0.3)
 FULL = dict(dims=syn.H3_FULL, layers=50, refiners=2, text_dim=5120, text=100, latent=(37, 48, 84), audio_t=207)
@@ -59,7 +60,8 @@ def log(msg: str) -> None:
 def differing(a: torch.Tensor, b: torch.Tensor) -> int:
     """Differing elements as bit patterns (NaN == NaN of the same bits, -0.0 != 0.0)."""
     if a.shape != b.shape or a.dtype != b.dtype:
-        raise AssertionError(f"outputs of other shapes / dtypes: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}")
+        raise AssertionError(f"outputs of other shapes / dtypes: {tuple(a.shape)} {a.dtype} "
+                             f"vs {tuple(b.shape)} {b.dtype}")
     view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     return int((a.contiguous().view(view) != b.contiguous().view(view)).sum())
 
@@ -233,7 +235,8 @@ def main(argv=None) -> int:
 
     def summary(arm: Arm) -> dict:
         timed = [f["seconds"] for f in arm.forwards if f["label"] == "timed"]
-        out = {"forwards": arm.forwards, "forward_seconds_median": round(statistics.median(timed), 4) if timed else None}
+        out = {"forwards": arm.forwards,
+               "forward_seconds_median": round(statistics.median(timed), 4) if timed else None}
         if device.type == "cuda":
             out["peak_extra_gib_timed_max"] = max(f["peak_extra_gib"] for f in arm.forwards if f["label"] == "timed") \
                 if timed else None
@@ -258,7 +261,8 @@ def main(argv=None) -> int:
               f"peak extra memory {s['peak_extra_gib_timed_max']:.2f} -> {f['peak_extra_gib_timed_max']:.2f} GiB")
     if not ok:
         print("FAILED: " + ("outputs differ; " if result["parity"]["total_differing_elements"] else "")
-              + (f"block check {state.block_check}: {state.block_check_detail}; " if state.block_check != "passed" else "")
+              + (f"block check {state.block_check}: {state.block_check_detail}; "
+                 if state.block_check != "passed" else "")
               + ("not every NVFP4 Linear ran fused" if not fully_fused or not linears else ""), file=sys.stderr)
     return 0 if ok else 1
 

@@ -67,3 +67,18 @@ def test_the_readme_names_every_room():
     rooms = {path.parent.relative_to(REPO_ROOT).as_posix() for path in product_files()} - {"."}
     missing = [room for room in sorted(rooms) if f"`{room}/`" not in readme]
     assert not missing, f"README's layout table does not name {missing}"
+
+
+def committed_results() -> list[pathlib.Path]:
+    return sorted((REPO_ROOT / "benchmarks").glob("*.json")) + sorted((REPO_ROOT / "scripts").rglob("*.json"))
+
+
+def test_every_committed_result_is_cited_and_names_no_machine_path():
+    readme = (REPO_ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    results = committed_results()
+    assert results, "no committed results"
+    for path in results:
+        assert f"`{path.name}`" in readme, f"benchmarks/README.md does not cite {path.name}"
+        text = path.read_text(encoding="utf-8")
+        for prefix in ('"/tmp/', '"/work/', '"/root/', '"/home/', '"/opt/', " /tmp/", " /work/", " /root/", " /opt/"):
+            assert prefix not in text, f"{path.name} records a machine path ({prefix.strip()}...)"
