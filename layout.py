@@ -68,8 +68,8 @@ class Modulation:
 @dataclass(frozen=True)
 class RmsNorm:
     """An RMSNorm folded into the kernels: ``n = bf16(weight * (rstd[r] * x))``, torch's CUDA ``rms_norm``
-    arithmetic (kernels/csrc/residual_norm.cu). ``weight``: bf16 ``[K]``; ``eps``: the module's eps; ``rstd``: fp32 ``[M]``
-    written by a norm-statistics kernel earlier on the stream and read by the pack."""
+    arithmetic (kernels/csrc/residual_norm.cu). ``weight``: bf16 ``[K]``; ``eps``: the module's eps; ``rstd``: fp32
+    ``[M]`` written by a norm-statistics kernel earlier on the stream and read by the pack."""
 
     weight: torch.Tensor
     eps: float

@@ -16,7 +16,8 @@ PACKAGE = "h3_fused_nvfp4"
 def import_pack():
     # The folder an installed pack lives in may have any name (dashes included): import it under one name.
     if PACKAGE not in sys.modules:
-        spec = importlib.util.spec_from_file_location(PACKAGE, ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
+        spec = importlib.util.spec_from_file_location(PACKAGE, ROOT / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT)])
         module = importlib.util.module_from_spec(spec)
         sys.modules[PACKAGE] = module
         spec.loader.exec_module(module)

@@ -188,7 +188,8 @@ def apply_fused(model_patcher, scope: str, families: tuple[ModelFamily, ...], *,
     device = load_device(clone)
     diffusion_model = clone.get_model_object("diffusion_model")
     patches, family, found = build_patches(diffusion_model, scope, families)
-    report = PatchReport(mode=scope, applied=False, family=family.name if family else family_name(clone, diffusion_model),
+    report = PatchReport(mode=scope, applied=False,
+                         family=family.name if family else family_name(clone, diffusion_model),
                          blocks=found.description if found else "", device=device_description(device))
     linears = {key: p for key, p in patches.items() if isinstance(p, FusedNVFP4Linear)}
     for patch in linears.values():

@@ -30,7 +30,8 @@ import torch
 
 Progress = Callable[[int, int, str], None]
 log = logging.getLogger("h3_fused_nvfp4")
-# .<name>.<pid>.<8 hex>.partial (being written) / .old (an overwritten file kept aside until its replacement is in place)
+# .<name>.<pid>.<8 hex>.partial (being written) / .old (an overwritten file kept aside until its replacement is
+# in place)
 LEFTOVER_RE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.(?P<kind>partial|old)$")
 
 ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "C64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,

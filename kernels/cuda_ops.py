@@ -36,7 +36,8 @@ LAUNCH = {
     "RESIDUAL_NORM_MIN_CTAS": 8,  # 8 CTAs x 2 warps per SM: at most 128 registers (9 or 10 spill at these batches)
     "PACK_MIN_CTAS": 5, "PLAIN_MIN_CTAS": 4,  # resident CTAs of 256 threads the packs' register budget keeps on sm_90
     "SILU_WINDOW_MIN_CTAS": 5,  # the windowed-silu SwiGLU pack (silu_window_table)
-    "SWIGLU_ABSMAX_ITEMS": 3,  # fc1-output chunks in flight per thread of the SwiGLU global scale (3 CTAs of 512 per SM)
+    # fc1-output chunks in flight per thread of the SwiGLU global scale (3 CTAs of 512 per SM)
+    "SWIGLU_ABSMAX_ITEMS": 3,
 }
 # The silu window of the SwiGLU pack (kernels/csrc/nvfp4_common.cuh swiglu_window_x8): |x| in [2^-16, 2^8), i.e. the
 # |x| bit patterns from SILU_WINDOW_LO on, SILU_WINDOW of them (24 binades of 128 values), for each sign.

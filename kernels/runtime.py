@@ -112,9 +112,11 @@ def nvrtc() -> ctypes.CDLL:
                 except OSError as exc:
                     errors.append(f"{path}: {exc}")
             if _nvrtc is None:
-                raise KernelBuildError("NVRTC not found (install a CUDA 13 build of torch, or set CUDA_HOME to a CUDA 13 "
-                                       "toolkit); " + ("tried: " + "; ".join(errors) if errors else "no libnvrtc / nvrtc64_*.dll "
-                                       "in torch's CUDA wheels, torch/lib, CUDA_HOME, CUDA_PATH or the loader's path"))
+                raise KernelBuildError("NVRTC not found (install a CUDA 13 build of torch, or set CUDA_HOME to a "
+                                       "CUDA 13 toolkit); "
+                                       + ("tried: " + "; ".join(errors) if errors
+                                          else "no libnvrtc / nvrtc64_*.dll in torch's CUDA wheels, torch/lib, "
+                                          "CUDA_HOME, CUDA_PATH or the loader's path"))
         return _nvrtc
 
 
@@ -171,7 +173,8 @@ def _nvrtc_compile(arch: str, source: str, defines: tuple, get_size: str, get_da
             lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
             buf = ctypes.create_string_buffer(size.value)
             lib.nvrtcGetProgramLog(prog, buf)
-            raise KernelBuildError(f"NVRTC failed to compile {source} for {arch}:\n{buf.value.decode(errors='replace')}")
+            raise KernelBuildError(f"NVRTC failed to compile {source} for {arch}:\n"
+                                   f"{buf.value.decode(errors='replace')}")
         size = ctypes.c_size_t()
         _check_nvrtc(getattr(lib, get_size)(prog, ctypes.byref(size)), get_size)
         buf = ctypes.create_string_buffer(size.value)
@@ -184,7 +187,8 @@ def _nvrtc_compile(arch: str, source: str, defines: tuple, get_size: str, get_da
 def compile_cubin(arch: str, source: str = SOURCES[0], defines: tuple = ()) -> bytes:
     """Compile one source for ``arch`` (e.g. ``"sm_121a"``) with NVRTC and return the cubin bytes.
 
-    ``defines``: ``((name, value), ...)`` passed as ``-D`` (kernels/cuda_ops.py kernel_defines: the launch constants)."""
+    ``defines``: ``((name, value), ...)`` passed as ``-D`` (kernels/cuda_ops.py kernel_defines: the launch
+    constants)."""
     return _nvrtc_compile(arch, source, defines, "nvrtcGetCUBINSize", "nvrtcGetCUBIN")
 
 

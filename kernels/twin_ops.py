@@ -80,7 +80,8 @@ def pack_nvfp4(x, *, static_scale=None, global_scale=None, weight_scale_2=None, 
     else:
         g = dynamic_global_scale(h)
     rows, cols = h.shape
-    qdata, scales = comfy_adapter.quantize_nvfp4(h.contiguous(), g.reshape(()), pad_16x=rows % 16 != 0 or cols % 16 != 0)
+    qdata, scales = comfy_adapter.quantize_nvfp4(h.contiguous(), g.reshape(()),
+                                                 pad_16x=rows % 16 != 0 or cols % 16 != 0)
     alpha = None
     if static_scale is None and weight_scale_2 is not None:
         alpha = (g * weight_scale_2.to(device=g.device, dtype=torch.float32)).reshape(1)

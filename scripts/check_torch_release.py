@@ -132,7 +132,8 @@ def classify(a: list[str], b: list[str]) -> str:
 # ---- wheels and cubins ------------------------------------------------------------------------------------
 
 def cuobjdump() -> str:
-    candidates = [os.path.join(os.environ[v], "bin", "cuobjdump") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    candidates = [os.path.join(os.environ[v], "bin", "cuobjdump") for v in ("CUDA_HOME", "CUDA_PATH")
+                  if os.environ.get(v)]
     candidates.append(shutil.which("cuobjdump") or "")
     for entry in sys.path:
         candidates += glob.glob(os.path.join(entry, "nvidia", "cu1*", "bin", "cuobjdump"))
@@ -165,7 +166,8 @@ def fetch_release(spec: str, work: pathlib.Path, tool: str) -> dict:
     wheels = glob.glob(str(downloads / f"torch-{version}-*.whl"))
     if not wheels:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--platform",
-                        platform, "--python-version", "3.12", f"torch=={version}", "-d", str(downloads), "-q"], check=True)
+                        platform, "--python-version", "3.12", f"torch=={version}", "-d", str(downloads), "-q"],
+                       check=True)
         wheels = glob.glob(str(downloads / f"torch-{version}-*.whl"))
     with zipfile.ZipFile(wheels[0]) as wheel:
         facts = dict(re.findall(r"^(__version__|git_version|cuda)(?:: Optional\[str\])? = '([^']*)'",
@@ -243,13 +245,16 @@ def main() -> int:
         parser.error("OLD and NEW name the same wheel")
     releases = {spec: fetch_release(spec, work, tool) for spec in (args.old, args.new)}
     tool_version = subprocess.run([tool, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1:]
-    result = {"command": f"python scripts/check_torch_release.py {args.old} {args.new}", "cuobjdump": " ".join(tool_version),
+    result = {"command": f"python scripts/check_torch_release.py {args.old} {args.new}",
+              "cuobjdump": " ".join(tool_version),
               "releases": releases, "archs": list(ARCHS), **compare(args.old, args.new, work, tool)}
-    print(f"{'kernel':10} {'arch':7} {'compared':>8} {'identical':>9} {'renamed':>7} {'rescheduled':>11} {'different':>9}  unpaired")
+    print(f"{'kernel':10} {'arch':7} {'compared':>8} {'identical':>9} {'renamed':>7} {'rescheduled':>11} "
+          f"{'different':>9}  unpaired")
     for kernel, per_arch in result["kernels"].items():
         for arch, e in per_arch.items():
             missing = len(e[f"only_in_{args.old}"]) + len(e[f"only_in_{args.new}"])
-            print(f"{kernel:10} {arch:7} {e['compared']:8} {e['identical']:9} {e['renamed']:7} {e['rescheduled']:11} {e['different']:9}  {missing}")
+            print(f"{kernel:10} {arch:7} {e['compared']:8} {e['identical']:9} {e['renamed']:7} "
+                  f"{e['rescheduled']:11} {e['different']:9}  {missing}")
     print(f"{args.old} -> {args.new}: " + ("the same instructions in every compared instantiation" if result["ok"]
                                           else "READ THE FLAGGED INSTANTIATIONS (\"flagged\" in the JSON)"))
     if args.out:

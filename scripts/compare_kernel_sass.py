@@ -3,7 +3,8 @@
     python scripts/compare_kernel_sass.py OLD_REF [NEW_REF] [--archs sm_90a,sm_100a,...] [--compiler nvcc|nvrtc]
 
 Each side (a git commit, or the working tree when NEW_REF is left out) is built the way the pack builds it:
-every source its kernels/runtime.py lists, with the -D options its kernels/cuda_ops.py (earlier kernels/ops.py) kernel_defines(source) gives,
+every source its kernels/runtime.py lists, with the -D options its kernels/cuda_ops.py (earlier kernels/ops.py)
+kernel_defines(source) gives,
 for each arch, and for sm_90a a second time with H3_FUSED_NVFP4_EMULATE_BLACKWELL=1 (the Blackwell path on Hopper).
 Both sides' own runtime.py and ops.py are loaded from their trees, so each uses its own sources, file layout and
 defines. The cubins are disassembled with ``cuobjdump -sass`` and each kernel's listing (instructions, their

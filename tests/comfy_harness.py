@@ -24,9 +24,10 @@ from typing import Any, Callable, Iterable
 
 import pytest
 import torch
-
-from h3_fused_nvfp4.tools import comfy_env, synthetic as syn
 from parity import selfcheck_mode
+
+from h3_fused_nvfp4.tools import comfy_env
+from h3_fused_nvfp4.tools import synthetic as syn
 
 HARNESS_MODEL_NODE_ID = "H3Harness_ModelSource"
 HARNESS_FORWARD_NODE_ID = "H3Harness_Forward"
@@ -70,8 +71,9 @@ def comfy() -> ComfyUI:
     info = comfy_env.import_comfyui()
     import comfy.model_management
     import execution
-    import nodes
     from comfy_api.latest import io, ui
+
+    import nodes
 
     # comfy-kitchen warns on every emulated FP4 GEMM (CPU, sm_90); both arms emulate the same way.
     logging.getLogger("comfy_kitchen.tensor.nvfp4").setLevel(logging.ERROR)
@@ -128,7 +130,8 @@ def load_custom_node_pack(path, module_parent: str = "custom_nodes") -> LoadedPa
     tag = f"{module_parent}.{module_name}"
     node_ids = [k for k, v in nodes.NODE_CLASS_MAPPINGS.items() if getattr(v, "RELATIVE_PYTHON_MODULE", None) == tag]
     return LoadedPack(path, module_name, sys_module_name, sys.modules[sys_module_name], node_ids,
-                      {k: nodes.NODE_DISPLAY_NAME_MAPPINGS[k] for k in node_ids if k in nodes.NODE_DISPLAY_NAME_MAPPINGS},
+                      {k: nodes.NODE_DISPLAY_NAME_MAPPINGS[k] for k in node_ids
+                       if k in nodes.NODE_DISPLAY_NAME_MAPPINGS},
                       capture.records)
 
 

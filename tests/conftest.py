@@ -43,10 +43,10 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-requires_cuda = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU (CPU-only machines skip the GPU tests)")
+requires_cuda = pytest.mark.skipif(not cuda_available(),
+                                   reason="needs a CUDA GPU (CPU-only machines skip the GPU tests)")
 
-from comfy_harness import (  # noqa: E402,F401  (fixtures)
-    clean_models, comfyui, comfyui_reason, force_nvfp4_compute, model_file, pack, selfcheck_forced)
+from comfy_harness import clean_models, comfyui, comfyui_reason, force_nvfp4_compute, model_file, pack, selfcheck_forced  # noqa: E402,F401  (fixtures)
 
 
 def _comfyui_line() -> str:

@@ -33,7 +33,15 @@ from __future__ import annotations
 
 import torch
 
-from h3_fused_nvfp4.layout import BLOCK, E4M3_MAX, FP4_MAX, GLOBAL_SCALE_DIVISOR, packed_shapes, roundup, swizzled_scale_offset
+from h3_fused_nvfp4.layout import (
+    BLOCK,
+    E4M3_MAX,
+    FP4_MAX,
+    GLOBAL_SCALE_DIVISOR,
+    packed_shapes,
+    roundup,
+    swizzled_scale_offset,
+)
 
 __all__ = ["GLOBAL_SCALE_DIVISOR", "dynamic_global_scale", "e2m1_codes", "pack_nibbles", "packed_shapes",
            "quantize_blocks", "quantize_nvfp4", "rcp_sensitive_blocks", "roundup", "swizzled_scale_offset",

@@ -107,3 +107,24 @@ def selfcheck_mode(value: str):
             os.environ[verdicts.SELFCHECK_ENV] = old
         for module in _selfcheck_modules():
             module.forget_verdicts()
+
+
+def within(seconds: float, fn):
+    """``fn()``'s result, run in a daemon thread: a call that blocks (a FIFO read) fails the test, never hangs it."""
+    import threading
+
+    result, error = [], []
+
+    def target():
+        try:
+            result.append(fn())
+        except BaseException as exc:  # handed to the test
+            error.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s (blocked on a cache file?)"
+    if error:
+        raise error[0]
+    return result[0]

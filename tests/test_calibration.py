@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import json
 
+import comfy_harness as ch
 import pytest
 import torch
+from comfy_harness import NUM_LAYERS, REFINER_LAYERS, UNET_NAME
+from parity import assert_bit_identical
 
-import comfy_harness as ch
 from h3_fused_nvfp4.core import calibration as calibrate
 from h3_fused_nvfp4.layout import GLOBAL_SCALE_DIVISOR
-from parity import assert_bit_identical
-from comfy_harness import NUM_LAYERS, REFINER_LAYERS, UNET_NAME
 
 pytestmark = pytest.mark.usefixtures("selfcheck_forced")
 
@@ -62,13 +62,15 @@ def test_calibrate_save_load_round_trip(pack, model_file, clean_models):
     run.raise_for_status()
     saved = model_file.parent / "tiny_calibrated.safetensors"
     stats = json.loads((model_file.parent / "tiny_calibrated.calibration.json").read_text())
-    assert saved.is_file() and len(stats["layers"]) == LAYERS and "wrote tiny_calibrated.safetensors" in run.ui_text("5")
+    assert (saved.is_file() and len(stats["layers"]) == LAYERS
+            and "wrote tiny_calibrated.safetensors" in run.ui_text("5"))
     from safetensors import safe_open
 
     with safe_open(str(saved), framework="pt") as f, safe_open(str(model_file), framework="pt") as src:
         for key in src.keys():  # every source tensor unchanged
             if not key.endswith("input_scale"):
-                assert torch.equal(f.get_tensor(key).view(-1).view(torch.uint8), src.get_tensor(key).view(-1).view(torch.uint8)), key
+                assert torch.equal(f.get_tensor(key).view(-1).view(torch.uint8),
+                                   src.get_tensor(key).view(-1).view(torch.uint8)), key
         for name, entry in stats["layers"].items():
             scale = f.get_tensor(f"{name}.input_scale")
             assert scale.dtype == torch.float32
@@ -78,7 +80,8 @@ def test_calibrate_save_load_round_trip(pack, model_file, clean_models):
 
     # The calibrated file through ComfyUI's loader: every NVFP4 layer static, fused == stock bytes, single-pass pack.
     prompt = {"1": {"class_type": "H3FusedNVFP4Loader",
-                    "inputs": {"unet_name": "tiny_calibrated.safetensors", "weight_dtype": "default", "scope": "block"}},
+                    "inputs": {"unet_name": "tiny_calibrated.safetensors", "weight_dtype": "default",
+                               "scope": "block"}},
               "2": {"class_type": "H3FusedNVFP4Toggle", "inputs": {"model": ["1", 0], "path": "comfy",
                                                                   "scope": "as patched"}},
               "f1": ch.forward_node(["2", 0], "calibrated comfy", seed=12),

@@ -16,16 +16,16 @@ import struct
 import subprocess
 import sys
 
+import comfy_harness as ch
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import comfy_harness as ch
 from h3_fused_nvfp4.core import safetensors_io
+from h3_fused_nvfp4.layout import GLOBAL_SCALE_DIVISOR, NVFP4_LAYOUT
 from h3_fused_nvfp4.models.h3 import checkpoint
 from h3_fused_nvfp4.tools import synthetic
-from h3_fused_nvfp4.layout import GLOBAL_SCALE_DIVISOR, NVFP4_LAYOUT
 
 pytestmark = ch.requires_comfyui
 

@@ -23,8 +23,8 @@ import torch
 from parity import assert_bit_identical
 
 from h3_fused_nvfp4.core.linear import FusedNVFP4Linear, is_nvfp4_linear
-from h3_fused_nvfp4.models import patch
 from h3_fused_nvfp4.core.nvfp4_weights import nvfp4_checkpoint_entries
+from h3_fused_nvfp4.models import patch
 from h3_fused_nvfp4.tools import families as fam
 
 pytestmark = pytest.mark.usefixtures("comfyui")

@@ -19,7 +19,6 @@ import pathlib
 
 import pytest
 import torch
-
 from conftest import requires_cuda
 
 SOURCE = str(pathlib.Path(__file__).resolve().parent / "kernels" / "arith_check.cu")

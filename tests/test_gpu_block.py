@@ -8,12 +8,18 @@ H200 the very first stock call of a process gives other bits inside ComfyUI's em
 
 import pytest
 import torch
-
 from conftest import requires_cuda
-from h3_fused_nvfp4.tools import synthetic as syn
 from parity import assert_bit_identical, fresh_seed
-from test_h3_block_cpu import (assert_block_check_passes, assert_fully_fused, fused, linears, recorded_both_ways,
-                               run_blocks)
+from test_h3_block_cpu import (
+    assert_block_check_passes,
+    assert_fully_fused,
+    fused,
+    linears,
+    recorded_both_ways,
+    run_blocks,
+)
+
+from h3_fused_nvfp4.tools import synthetic as syn
 
 pytestmark = [requires_cuda, pytest.mark.usefixtures("comfyui")]
 

@@ -6,10 +6,16 @@ counts, strided views, all 65,536 bf16 bit patterns)."""
 
 import pytest
 import torch
-
 from conftest import requires_cuda
-from parity import (assert_bit_identical, assert_same_pack, comfy_pack, fresh_seed, fused_pack, random_activation,
-                    segments_and_index)
+from parity import (
+    assert_bit_identical,
+    assert_same_pack,
+    comfy_pack,
+    fresh_seed,
+    fused_pack,
+    random_activation,
+    segments_and_index,
+)
 
 pytestmark = [requires_cuda, pytest.mark.usefixtures("comfyui")]
 
@@ -157,9 +163,11 @@ def test_reference_matches_kernel_on_gpu_data():
     sensitive = ref.rcp_sensitive_blocks(padded, g)
     fused_scales = ref.unswizzle_scales(fused.block_scales.cpu(), rows16, x.shape[1])
     ref_scales = ref.unswizzle_scales(s, rows16, x.shape[1])
-    differs = (fused_scales != ref_scales) | (fused.qdata.cpu().reshape(rows16, -1, 8) != q.reshape(rows16, -1, 8)).any(-1)
+    differs = ((fused_scales != ref_scales)
+               | (fused.qdata.cpu().reshape(rows16, -1, 8) != q.reshape(rows16, -1, 8)).any(-1))
     unexplained = differs & ~sensitive
-    assert unexplained.sum().item() == 0, f"{unexplained.sum().item()} blocks differ outside the documented cases (seed {seed})"
+    assert unexplained.sum().item() == 0, (f"{unexplained.sum().item()} blocks differ outside the documented cases "
+                                           f"(seed {seed})")
     assert sensitive.float().mean().item() < 0.25, f"{sensitive.float().mean().item():.1%} sensitive (seed {seed})"
 
 

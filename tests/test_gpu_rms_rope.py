@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from conftest import requires_cuda
 from parity import assert_bit_identical, fresh_seed
 

@@ -32,12 +32,12 @@ import statistics
 
 import pytest
 import torch
-
 from conftest import REPO_ROOT, requires_cuda
-from h3_fused_nvfp4.tools import synthetic as syn
-from h3_fused_nvfp4.tools.report import MARKER, categorize, device_info, kernel_profile, time_ms
 from parity import differing, fresh_seed
 from test_h3_block_cpu import fused, run_blocks
+
+from h3_fused_nvfp4.tools import synthetic as syn
+from h3_fused_nvfp4.tools.report import MARKER, categorize, device_info, kernel_profile, time_ms
 
 pytestmark = pytest.mark.usefixtures("comfyui")
 
@@ -257,6 +257,7 @@ def test_full_width_block_with_sage_attention_bit_identical_and_copy_free():
     result = {"check": "one real ComfyUI H3 DiTBlock at full width, ComfyUI's sage backend, stock vs fused",
               "device": device_info(device), **sage_versions()}
     import comfy_kitchen  # noqa: F401
+
     from h3_fused_nvfp4.tools import comfy_env
 
     result["comfyui"] = comfy_env.comfyui_version()

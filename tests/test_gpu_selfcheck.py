@@ -7,14 +7,14 @@ import time
 
 import pytest
 import torch
-
 from conftest import requires_cuda
+from parity import assert_bit_identical, selfcheck_mode
+from test_h3_block_cpu import TOKENS, run_blocks
+
 from h3_fused_nvfp4.core import verdicts
 from h3_fused_nvfp4.models import patch
 from h3_fused_nvfp4.models.h3.patch import PROBE_SETS
 from h3_fused_nvfp4.tools import synthetic as syn
-from parity import assert_bit_identical, selfcheck_mode
-from test_h3_block_cpu import TOKENS, run_blocks
 
 pytestmark = [requires_cuda, pytest.mark.usefixtures("comfyui")]
 CUDA = torch.device("cuda", 0)
@@ -89,7 +89,6 @@ def test_changed_comfyui_block_is_caught_on_the_gpu(monkeypatch):
     """ComfyUI's DiTBlock.forward with the MLP modulation's two roundings swapped: the kernel probes still pass, the
     block check on the first forward sees it, and the model then runs ComfyUI's path."""
     import comfy.ldm.minimax.model as m
-
     from test_selfcheck import changed_block_forward
 
     monkeypatch.setattr(m.DiTBlock, "forward", changed_block_forward)

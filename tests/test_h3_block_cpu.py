@@ -14,11 +14,11 @@ import contextlib
 
 import pytest
 import torch
+from parity import assert_bit_identical, fresh_seed
 
 from h3_fused_nvfp4.core import calibration as calibrate
 from h3_fused_nvfp4.core.patching import SCOPES
 from h3_fused_nvfp4.tools import synthetic as syn
-from parity import assert_bit_identical, fresh_seed
 
 pytestmark = pytest.mark.usefixtures("comfyui")
 

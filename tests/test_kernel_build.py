@@ -22,11 +22,12 @@ import pathlib
 import re
 import shutil
 import subprocess
-import threading
 
 import pytest
+from parity import within
 
-from h3_fused_nvfp4.kernels import cuda_ops as ops, runtime
+from h3_fused_nvfp4.kernels import cuda_ops as ops
+from h3_fused_nvfp4.kernels import runtime
 
 # The entry points kernels/ops.py looks up by name, per source (every source's entry points are checked; these must
 # exist).
@@ -153,7 +154,8 @@ def test_ptx_uses_hardware_e2m1_from_sm100(arch):
     major = int(re.match(r"sm_(\d+)", arch).group(1)) // 10
     if major >= 10:
         # A miss here is silent at run time (the software path gives the same bytes, only slower).
-        assert HW_E2M1 in ptx, f"{arch} should use the hardware E2M1 conversion ({HW_E2M1}) but builds the software path"
+        assert HW_E2M1 in ptx, (f"{arch} should use the hardware E2M1 conversion ({HW_E2M1}) "
+                                "but builds the software path")
     else:
         assert HW_E2M1 not in ptx, f"{arch} has no E2M1 instruction; the software path should be built"
 
@@ -310,7 +312,8 @@ def test_nvrtc_is_looked_for_where_linux_and_windows_installs_keep_it(tmp_path, 
     """Linux and Windows layouts of torch's CUDA wheels, torch/lib (Windows CUDA builds of torch), a CUDA 13 toolkit
     on Windows (bin/x64): found in that order, NVIDIA's .alt builds and the builtins libraries never taken for NVRTC."""
     site, toolkit = tmp_path / "site", tmp_path / "cuda"
-    files = ["nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cu13/lib/libnvrtc.alt.so.13", "nvidia/cu13/lib/libnvrtc-builtins.so.13.0",
+    files = ["nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cu13/lib/libnvrtc.alt.so.13",
+             "nvidia/cu13/lib/libnvrtc-builtins.so.13.0",
              "nvidia/cu13/bin/x86_64/nvrtc64_130_0.dll", "nvidia/cu13/bin/x86_64/nvrtc64_130_0.alt.dll",
              "nvidia/cu13/bin/x86_64/nvrtc-builtins64_130.dll", "torch/lib/nvrtc64_130_0.dll"]
     for name in files:
@@ -336,25 +339,6 @@ def test_nvrtc_is_looked_for_where_linux_and_windows_installs_keep_it(tmp_path, 
 
 # ---- hostile cache paths -------------------------------------------------------------------------------------
 
-def _within(seconds, fn):
-    """``fn()`` in a daemon thread: a call that blocks (reading a FIFO) fails the test instead of hanging it."""
-    result, error = [], []
-
-    def target():
-        try:
-            result.append(fn())
-        except BaseException as exc:  # handed to the test
-            error.append(exc)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still running after {seconds} s (blocked on a cache file?)"
-    if error:
-        raise error[0]
-    return result[0]
-
-
 @pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "oversized", "link to another file"])
 def test_a_hostile_cache_path_is_rebuilt_without_hanging_or_following_links(fake_build, kind, tmp_path, caplog):
     cache, calls = fake_build
@@ -372,12 +356,12 @@ def test_a_hostile_cache_path_is_rebuilt_without_hanging_or_following_links(fake
         with open(path, "wb") as f:
             f.truncate(runtime.CUBIN_MAX_BYTES + 1)  # sparse: no disk used
     caplog.set_level(logging.WARNING, logger="h3_fused_nvfp4")
-    cubin = _within(30, lambda: runtime.cached_cubin("sm_120a"))
+    cubin = within(30, lambda: runtime.cached_cubin("sm_120a"))
     assert cubin.startswith(b"\x7fELF fake cubin sm_120a") and len(calls) == 1, "not rebuilt"
     assert path.is_file() and not path.is_symlink() and path.read_bytes().startswith(cubin)
     assert victim.read_bytes() == b"not the cache's to change", "the write followed a planted link"
     assert any(str(path) in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
-    assert _within(30, lambda: runtime.cached_cubin("sm_120a")) == cubin and len(calls) == 1
+    assert within(30, lambda: runtime.cached_cubin("sm_120a")) == cubin and len(calls) == 1
 
 
 def test_a_cache_folder_others_can_write_is_warned_about(fake_build, monkeypatch, caplog):

@@ -6,10 +6,10 @@ kernels' Python twin."""
 
 import pytest
 import torch
-
 from conftest import cuda_available
-from h3_fused_nvfp4.tools import synthetic as syn
 from parity import assert_bit_identical, fresh_seed
+
+from h3_fused_nvfp4.tools import synthetic as syn
 
 pytestmark = pytest.mark.usefixtures("comfyui")
 

@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import logging
 
+import comfy_harness as ch
 import pytest
 import torch
+from comfy_harness import NUM_LAYERS, REFINER_LAYERS, UNET_NAME
+from parity import assert_bit_identical
 
-import comfy_harness as ch
 from h3_fused_nvfp4.core.linear import FusedNVFP4Linear
 from h3_fused_nvfp4.core.patching import STATE_KEY
 from h3_fused_nvfp4.models import patch as patch_mod
 from h3_fused_nvfp4.models.h3.structure import LINEAR_PATHS
 from h3_fused_nvfp4.tools import synthetic as syn
-from comfy_harness import NUM_LAYERS, REFINER_LAYERS, UNET_NAME
-from parity import assert_bit_identical
 
 NODE_IDS = ["H3FusedNVFP4Loader", "H3FusedNVFP4Patch", "H3FusedNVFP4Toggle", "H3FusedNVFP4Calibrate",
             "H3FusedNVFP4SaveCalibrated"]
@@ -40,8 +40,10 @@ def load_graph(scope="block", toggles=True, loader="H3FusedNVFP4Loader") -> dict
         prompt = {"0": {"class_type": "UNETLoader", "inputs": {"unet_name": UNET_NAME, "weight_dtype": "default"}},
                   "1": {"class_type": "H3FusedNVFP4Patch", "inputs": {"model": ["0", 0], "scope": scope}}}
     if toggles:
-        prompt["2"] = {"class_type": "H3FusedNVFP4Toggle", "inputs": {"model": ["1", 0], "path": "comfy", "scope": "as patched"}}
-        prompt["3"] = {"class_type": "H3FusedNVFP4Toggle", "inputs": {"model": ["1", 0], "path": "fused", "scope": "as patched"}}
+        prompt["2"] = {"class_type": "H3FusedNVFP4Toggle",
+                       "inputs": {"model": ["1", 0], "path": "comfy", "scope": "as patched"}}
+        prompt["3"] = {"class_type": "H3FusedNVFP4Toggle",
+                       "inputs": {"model": ["1", 0], "path": "fused", "scope": "as patched"}}
     return prompt
 
 
@@ -180,7 +182,8 @@ def test_patch_node_after_comfyui_sparse_attention(pack, model_file, clean_model
 # ---- models the pack does not touch, devices it cannot use -------------------------------------------------
 
 def _patch_only_graph(key: str) -> dict:
-    return {"1": ch.model_source_node(key), "2": {"class_type": "H3FusedNVFP4Patch", "inputs": {"model": ["1", 0], "scope": "block"}}}
+    return {"1": ch.model_source_node(key),
+            "2": {"class_type": "H3FusedNVFP4Patch", "inputs": {"model": ["1", 0], "scope": "block"}}}
 
 
 def test_model_without_nvfp4_layers_passes_through_with_one_warning(pack, caplog):

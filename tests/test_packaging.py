@@ -23,13 +23,12 @@ import shutil
 import subprocess
 import sys
 
+import comfy_harness as ch
 import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
-
-import comfy_harness as ch
 
 try:
     import tomllib
@@ -268,7 +267,8 @@ def user_files() -> list[str]:
 
 def pip(*args: str, timeout: int = 60) -> subprocess.CompletedProcess:
     env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
-    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env)
 
 
 def report_installs(path: pathlib.Path) -> list[tuple[str, str]]:

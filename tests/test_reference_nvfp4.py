@@ -24,10 +24,9 @@ import os
 import random
 import struct
 
+import nvfp4_oracle as ref
 import pytest
 import torch
-
-import nvfp4_oracle as ref
 
 WIDTHS = (5376, 7168, 14336)  # H3: hidden size, attention out / fc2 input halves, fc2 input
 ROWS = (1, 15, 16, 17, 127, 128, 129, 300)
@@ -111,7 +110,8 @@ def _check_scale_tie(block: torch.Tensor, g: float, ref_byte: int, ck_byte: int,
     # CUDA: d = (fp32(a) * fl(1/6)) * fl(1/g), each product rounded to fp32, lands off the tie.
     d = f32(f32(f32(a) * f32(1.0 / 6.0)) * f32(1.0 / f32(g)))
     assert d != exact, where
-    assert ref_byte == (hi_byte if d > exact else lo_byte), f"{where}: reference byte is not the rcp rounding of d={d!r}"
+    assert ref_byte == (hi_byte if d > exact else lo_byte), (f"{where}: reference byte is not the rcp rounding "
+                                                             f"of d={d!r}")
 
 
 def _check_code_tie(x: float, g: float, s: float, ref_code: int, ck_code: int, where: str) -> None:

@@ -1,4 +1,5 @@
-"""The first-use self-check (core/verdicts.py, core/probes.py, models/h3/probes.py) on the CPU, with the Python twin of the kernels.
+"""The first-use self-check (core/verdicts.py, core/probes.py, models/h3/probes.py) on the CPU, with the Python
+twin of the kernels.
 
 Planted faults: a wrong twin op (the modulation's shift applied before the scale) fails the kernel check and the
 model falls back for that op with the message; a changed ComfyUI block (its op order, through a monkeypatched
@@ -12,11 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 
 import pytest
 import torch
+from parity import assert_bit_identical, selfcheck_mode, within
+from test_h3_block_cpu import TOKENS, linears, run_blocks
 
 from h3_fused_nvfp4.core import plan, verdicts
 from h3_fused_nvfp4.kernels import twin_ops as fused_ops
@@ -24,8 +26,6 @@ from h3_fused_nvfp4.models import patch
 from h3_fused_nvfp4.models.h3 import patch as h3_patch
 from h3_fused_nvfp4.models.h3.patch import PROBE_SETS
 from h3_fused_nvfp4.tools import synthetic as syn
-from parity import assert_bit_identical, selfcheck_mode
-from test_h3_block_cpu import TOKENS, linears, run_blocks
 
 pytestmark = pytest.mark.usefixtures("comfyui")
 CPU = torch.device("cpu")
@@ -169,25 +169,6 @@ def test_a_check_that_raises_is_a_failed_check_not_an_exception(monkeypatch):
 
 
 # ---- damaged, foreign or hostile verdict files -------------------------------------------------------------
-
-def within(seconds: float, fn):
-    """``fn()``'s result, run in a daemon thread: a call that blocks (a FIFO read) fails the test, never hangs it."""
-    result, error = [], []
-
-    def target():
-        try:
-            result.append(fn())
-        except BaseException as exc:  # handed to the test
-            error.append(exc)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still running after {seconds} s (blocked on a cache file?)"
-    if error:
-        raise error[0]
-    return result[0]
-
 
 def verdict_path():
     return verdicts._cache_path(verdicts.environment_key(CPU, PROBE_SETS))

@@ -14,7 +14,8 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def check():
-    spec = importlib.util.spec_from_file_location("check_torch_release", REPO_ROOT / "scripts" / "check_torch_release.py")
+    spec = importlib.util.spec_from_file_location("check_torch_release",
+                                                  REPO_ROOT / "scripts" / "check_torch_release.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -27,8 +28,10 @@ def listing(*instructions):
 
 
 def test_names_lose_only_the_anonymous_namespace_hash(check):
-    old = "_ZN2at6native29vectorized_elementwise_kernelILi8EZZZNS0_62_GLOBAL__N__e7db5ad4_23_ActivationSiluKernel_cu_977e8e6d_4156711silu_kernelE"
-    new = "_ZN2at6native29vectorized_elementwise_kernelILi8EZZZNS0_62_GLOBAL__N__e7db5ad4_23_ActivationSiluKernel_cu_e5d96c45_4333911silu_kernelE"
+    old = ("_ZN2at6native29vectorized_elementwise_kernelILi8EZZZNS0_62_GLOBAL__N__e7db5ad4_23_ActivationSiluKernel_cu_"
+           "977e8e6d_4156711silu_kernelE")
+    new = ("_ZN2at6native29vectorized_elementwise_kernelILi8EZZZNS0_62_GLOBAL__N__e7db5ad4_23_ActivationSiluKernel_cu_"
+           "e5d96c45_4333911silu_kernelE")
     other = old.replace("ILi8E", "ILi4E")
     assert check.normalized_name(old) == check.normalized_name(new)
     assert check.normalized_name(old) != check.normalized_name(other)
@@ -90,7 +93,8 @@ def test_compare_flags_changed_arithmetic_and_missing_kernels(check, tmp_path, f
     fake_release(tmp_path, "2.0.0-" + check.DEFAULT_PLATFORM, old)
     # mul rescheduled and given a template flag with a false default, the casting variant changed (never compared),
     # a new instantiation with no partner, rms the same with other registers
-    new = {"_Z10layer_normIbf16E": [r.replace("R3", "R9") for r in rms], "_Z3vecMulFunctorSt5arrayELb0EEEviT0_": mul[2:] + mul[:2],
+    new = {"_Z10layer_normIbf16E": [r.replace("R3", "R9") for r in rms],
+           "_Z3vecMulFunctorSt5arrayELb0EEEviT0_": mul[2:] + mul[:2],
            "_Z3vecMulFunctorSt5arrayELb1EEEviT0_": mul[:1], "_Z3vecMulFunctorLoadWithCastE": ["FMUL R1, R1, R1"]}
     fake_release(tmp_path, "2.1.0-" + check.DEFAULT_PLATFORM, new)
     result = check.compare("2.0.0", "2.1.0", tmp_path, fake_cuobjdump)
@@ -102,7 +106,8 @@ def test_compare_flags_changed_arithmetic_and_missing_kernels(check, tmp_path, f
     assert result["kernels"]["rms_norm"]["sm_100"]["renamed"] == 1
 
     # another rounding in the reduction, or a kernel gone, is flagged
-    changed = {"_Z10layer_normIbf16E": [r.replace("FADD", "FADD.RZ") for r in rms], "_Z3vecMulFunctorSt5arrayEEEviT0_": mul}
+    changed = {"_Z10layer_normIbf16E": [r.replace("FADD", "FADD.RZ") for r in rms],
+               "_Z3vecMulFunctorSt5arrayEEEviT0_": mul}
     fake_release(tmp_path, "2.2.0-" + check.DEFAULT_PLATFORM, changed)
     result = check.compare("2.0.0", "2.2.0", tmp_path, fake_cuobjdump)
     assert not result["ok"]

@@ -24,9 +24,8 @@ import json
 import os
 import pathlib
 
-import pytest
-
 import comfy_harness as ch
+import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKFLOW_PATH = REPO_ROOT / "example_workflows" / "h3_t2v_1344x768_124f_fused_nvfp4.json"
@@ -127,7 +126,8 @@ def eval_math(expression: str, **values):
     for node in ast.walk(tree):
         if not isinstance(node, _MATH_NODES):
             raise ValueError(f"unexpected syntax {type(node).__name__} in {expression!r}")
-        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id in ("max", "min", "round")):
+        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name)
+                                               and node.func.id in ("max", "min", "round")):
             raise ValueError(f"unexpected call in {expression!r}")
     return eval(compile(tree, "<template expression>", "eval"), {"__builtins__": {}},
                 {"max": max, "min": min, "round": round, **values})
@@ -306,7 +306,8 @@ def test_widgets_match_template(workflow, resolved):
         for i, (name, value) in enumerate(zip(names, values)):
             ref_types = {type(r["widgets_values"][i]) for r in refs}
             if type(value) not in ref_types:
-                problems.append(f"{where}.{name}: {type(value).__name__}, template {sorted(t.__name__ for t in ref_types)}")
+                problems.append(f"{where}.{name}: {type(value).__name__}, "
+                                f"template {sorted(t.__name__ for t in ref_types)}")
             if (node["type"], name) in DELIBERATE:
                 continue
             expected = [rv[name] for rv in run_values]
@@ -332,7 +333,8 @@ def test_deliberate_changes_are_real_and_listed_values_only(workflow, resolved):
 def test_generation_settings(workflow):
     nodes = {}
     for node in workflow["nodes"]:
-        nodes.setdefault(node["type"], []).append(node["widgets_values_named"] if "widgets_values_named" in node else {})
+        nodes.setdefault(node["type"], []).append(node["widgets_values_named"]
+                                                  if "widgets_values_named" in node else {})
     (i2v,) = nodes["MiniMaxH3ImageToVideo"]
     assert (i2v["width"], i2v["height"], i2v["length"]) == (1344, 768, 124)
     assert (i2v["length"] - 5) % 17 == 0  # H3's temporal grid: 17k + 5 frames
@@ -383,7 +385,8 @@ def test_links_are_consistent(workflow):
                 assert link is not None and (link[3], link[4]) == (node["id"], slot), (node["id"], inp)
             else:
                 optional = inp.get("shape") == 7  # the frontend's mark for optional sockets
-                assert optional or "widget" in inp, f"node {node['id']} {node['type']}: required input {inp['name']} unlinked"
+                assert optional or "widget" in inp, (f"node {node['id']} {node['type']}: "
+                                                     f"required input {inp['name']} unlinked")
         for slot, out in enumerate(node.get("outputs", [])):
             for lid in out.get("links") or []:
                 assert lid in links and (links[lid][1], links[lid][2]) == (node["id"], slot), (node["id"], out)

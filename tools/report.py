@@ -130,7 +130,8 @@ def device_info(device: torch.device) -> dict:
                 memory_gib=round(props.total_memory / 2**30, 1))
     try:
         query = "driver_version,clocks.sm,clocks.max.sm,clocks.mem"
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader", "-i", str(device.index or 0)],
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader",
+                              "-i", str(device.index or 0)],
                              capture_output=True, text=True, timeout=10).stdout.strip()
         info.update(dict(zip(query.split(","), [v.strip() for v in out.split(",")])))
     except (OSError, subprocess.SubprocessError):
@@ -313,7 +314,8 @@ def pack_validation(device, rows: int = 37810) -> dict:
             "qdata_difference_count": int((packed.qdata != qt._qdata).sum()),
             "block_scale_difference_count": int((packed.block_scales.view(torch.uint8)
                                                  != qt._params.block_scale.view(torch.uint8)).sum()),
-            "global_scale": first_difference("g", packed.global_scale.reshape(1), qt._params.scale.reshape(1)) or "equal",
+            "global_scale": (first_difference("g", packed.global_scale.reshape(1), qt._params.scale.reshape(1))
+                             or "equal"),
         }
         out["validated_feature_widths"].append(k)
     return out
@@ -343,7 +345,8 @@ def profile_blocks(args, device) -> dict:
     result = {
         "workload": {"resolution": [1344, 768] if device.type == "cuda" else None,
                      "frames": 124 if device.type == "cuda" else None, "packed_tokens": rows,
-                     "segments": len(chain.inputs[2]), "blocks": "3 consecutive real DiTBlocks, the middle one measured",
+                     "segments": len(chain.inputs[2]),
+                     "blocks": "3 consecutive real DiTBlocks, the middle one measured",
                      "dims": dims.label, "seed": SEED, "static_input_scale_layers": list(static),
                      "attention": "ComfyUI's optimized_attention (the running ComfyUI's backend)",
                      "gemm": gemm_mode(device) + ("" if gemm_mode(device) == "nvfp4" else
@@ -629,7 +632,8 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(result, indent=1, default=str))
     v = result.get("validation", {})
     if v:
-        scope = " (CPU wiring check at a reduced width, Python twin: no CUDA kernel ran, no speed measured)" if cpu else ""
+        scope = (" (CPU wiring check at a reduced width, Python twin: no CUDA kernel ran, no speed measured)"
+                 if cpu else "")
         print(f"block output{scope}: {v['block_output_differing_elements']} differing elements "
               f"(max |diff| {v['block_output_max_abs_diff']}), {v['block_output_nonfinite_elements']} not finite")
     if "summary" in result:
@@ -646,4 +650,5 @@ def main(argv=None) -> int:
     elif "dram" in result:
         print(f"DRAM bytes: {result['dram']['error'][:500]}")
     print(f"JSON: {out}")
-    return 0 if not v or (v["block_output_differing_elements"] == 0 and v["block_output_nonfinite_elements"] == 0) else 1
+    return 0 if not v or (v["block_output_differing_elements"] == 0
+                          and v["block_output_nonfinite_elements"] == 0) else 1

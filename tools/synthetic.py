@@ -86,7 +86,8 @@ def module_state_dict(module: torch.nn.Module, *, seed: int, device, quantized: 
             sd[f"{key}.weight"] = _random(tuple(sub.normalized_shape), gen, device, 0.1, torch.bfloat16, mean=1.0)
     for name, buf in module.named_buffers():
         if buf is not None:
-            sd[f"{prefix}{name}"] = _random(tuple(buf.shape), gen, device, 1.0, buf.dtype if buf.is_floating_point() else torch.float32).abs()
+            sd[f"{prefix}{name}"] = _random(tuple(buf.shape), gen, device, 1.0,
+                                            buf.dtype if buf.is_floating_point() else torch.float32).abs()
     return sd
 
 
@@ -128,7 +129,8 @@ def model_state_dict(dims: H3Dims = H3_SMALL, *, num_layers: int = 2, refiner_la
                  for i in range(n) for path in LINEAR_PATHS}
     sd = {}
     for name, param in skeleton.named_parameters():
-        std = 0.1 if name.endswith("norm.weight") or ".norm" in name else (param.shape[-1] ** -0.5 if param.dim() == 2 else 0.02)
+        std = (0.1 if name.endswith("norm.weight") or ".norm" in name
+               else (param.shape[-1] ** -0.5 if param.dim() == 2 else 0.02))
         mean = 1.0 if "norm" in name and name.endswith("weight") else 0.0
         value = _random(tuple(param.shape), gen, device, std, param.dtype, mean=mean)
         if name in quantized:

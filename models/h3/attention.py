@@ -14,7 +14,8 @@ from ...kernels.backend import KernelBuildError
 
 class FusedAttention(PackPatch):
     """``Attention.forward`` of an H3 DiTBlock with comfy-kitchen's ``rms_rope_split_half_`` replaced by the
-    bit-identical RMSNorm + RoPE kernel (kernels/cuda_ops.py ``rms_rope_split_half_``) (one read and one write of q and k instead of two reads).
+    bit-identical RMSNorm + RoPE kernel (kernels/cuda_ops.py ``rms_rope_split_half_``) (one read and one write of q
+    and k instead of two reads).
 
     Everything else is ComfyUI's sequence: qkv_proj (the fused pack when patched), q/k/v views of its output, the
     attention function the block's own module imports (``optimized_attention``: the user's backend, overrides and

@@ -190,7 +190,8 @@ class FusedDiTBlock(PackPatch):
             buf = self._workspace.get(key)
             if buf is None:
                 with allocation_context():
-                    buf = self._workspace.setdefault(key, torch.empty(w.shape[0], dtype=torch.bfloat16, device=x.device))
+                    buf = self._workspace.setdefault(key, torch.empty(w.shape[0], dtype=torch.bfloat16,
+                                                                      device=x.device))
             return buf.copy_(w)
 
     def _buffers(self, x, name):
@@ -372,7 +373,8 @@ class FusedDiTBlock(PackPatch):
         n = norm(x)
         return n, LinearSource(lambda: modulate(n), modulation=modulation)
 
-    def _residual(self, plan: ForwardPlan, x, gate, other, mod_segments, index, next_norm, next_modulation, global_scale_out):
+    def _residual(self, plan: ForwardPlan, x, gate, other, mod_segments, index, next_norm, next_modulation,
+                  global_scale_out):
         """In place ``x += other * gate[row]``; with ``next_norm`` also that norm's statistics of the new x (and the
         next projection's global scale). Returns whether the statistics were produced."""
         gate16 = bf16_table(gate)

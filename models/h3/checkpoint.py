@@ -49,9 +49,18 @@ from safetensors import safe_open
 from ... import comfy_adapter
 from ...core import calibration
 from ...core.nvfp4_weights import comfy_quant_tag, nvfp4_checkpoint_entries
-from ...core.safetensors_io import (ITEMSIZE, CheckpointRefused, PlannedTensor, Progress, check_metadata,
-                                    file_order, replace_together, write_bytes_partial, write_safetensors,
-                                    write_safetensors_partial)
+from ...core.safetensors_io import (
+    ITEMSIZE,
+    CheckpointRefused,
+    PlannedTensor,
+    Progress,
+    check_metadata,
+    file_order,
+    replace_together,
+    write_bytes_partial,
+    write_safetensors,
+    write_safetensors_partial,
+)
 from ...layout import NVFP4_LAYOUT, packed_shapes
 from .structure import LINEAR_PATHS
 
@@ -231,7 +240,8 @@ def _scalar(name: str, value: float) -> PlannedTensor:
 # ---- input scales ------------------------------------------------------------------------------------------
 
 def save_with_input_scales(source_path, dest_path, input_scales: Mapping[str, float],
-                           metadata: Mapping[str, str] | None = None, *, progress: Progress | None = None, overwrite: bool = False) -> dict:
+                           metadata: Mapping[str, str] | None = None, *, progress: Progress | None = None,
+                           overwrite: bool = False) -> dict:
     """Copy an H3 checkpoint with an fp32 scalar ``{layer}.input_scale`` for each NVFP4 layer of ``input_scales``
     (layer names as in the file or relative to the model; an existing input scale of the layer is replaced).
     The file's metadata is kept, ``metadata`` merged into it. Returns a report."""

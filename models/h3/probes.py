@@ -18,7 +18,7 @@ import torch
 
 from ... import comfy_adapter
 from ...core import verdicts
-from ...core.probes import compare_packed, comfy_quantized, first_difference, probe_activations, static_scale
+from ...core.probes import comfy_quantized, compare_packed, first_difference, probe_activations, static_scale
 from ...core.verdicts import NotApplicable, ProbeSet
 from ...layout import Modulation, RmsNorm
 

@@ -76,7 +76,8 @@ def block_kind(block) -> str | None:
 def find_h3_blocks(diffusion_model) -> list[H3Block]:
     found = []
     for prefix, container in (("blocks", getattr(diffusion_model, "blocks", None)),
-                              ("token_refiner.blocks", getattr(getattr(diffusion_model, "token_refiner", None), "blocks", None))):
+                              ("token_refiner.blocks",
+                               getattr(getattr(diffusion_model, "token_refiner", None), "blocks", None))):
         if container is None:
             continue
         for i, block in enumerate(container):
