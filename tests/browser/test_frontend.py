@@ -122,7 +122,7 @@ class Server:
 def write_tiny_model(folder: pathlib.Path) -> None:
     from safetensors.torch import save_file
 
-    from h3_fused_nvfp4.integration import synthetic as syn
+    from h3_fused_nvfp4.tools import synthetic as syn
 
     sd = syn.model_state_dict(num_layers=2, refiner_layers=2, seed=3, static_layers=("attn.out_proj",))
     save_file(sd, str(folder / TINY_UNET))
