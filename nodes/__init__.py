@@ -1,8 +1,8 @@
-"""ComfyUI nodes of the H3 Fused NVFP4 pack (V3 API). Thin: each ``execute`` calls models/h3/.
+"""ComfyUI nodes of the H3 Fused NVFP4 pack (V3 API). Thin: each ``execute`` calls models/.
 
 Node ids are stable (workflows depend on them):
-    H3FusedNVFP4Loader          load a diffusion model like UNETLoader and patch its H3 blocks
-    H3FusedNVFP4Patch           patch a MODEL from any other loader (e.g. after a LoRA loader)
+    H3FusedNVFP4Loader          load any diffusion model like UNETLoader and patch its NVFP4 Linears (H3: blocks too)
+    H3FusedNVFP4Patch           patch any MODEL from another loader (e.g. after a LoRA loader)
     H3FusedNVFP4Toggle          choose the fused path or ComfyUI's own path on a clone (A/B in one graph)
     H3FusedNVFP4Calibrate       a clone that records every NVFP4 layer's activation amax while it samples
     H3FusedNVFP4SaveCalibrated  write a new checkpoint: the source file + a static input_scale per layer
@@ -31,9 +31,10 @@ PATHS = ["fused", "comfy"]
 REFERENCE_ON_CPU = os.environ.get("H3_FUSED_NVFP4_REFERENCE_ON_CPU") == "1"
 
 SCOPE_TOOLTIP = (
-    "block (fastest): fuses the whole H3 block around its NVFP4 Linears: RMSNorm (norm1 / norm2) folded into the "
-    "activation packs, adaLN modulation, SwiGLU, the gated residuals, per-head RMSNorm + RoPE on q and k, and the "
-    "hand-over of norm statistics between consecutive blocks. "
+    "block (fastest): every NVFP4 Linear's activation pack, and on MiniMax H3 the whole block around its NVFP4 "
+    "Linears: RMSNorm (norm1 / norm2) folded into the activation packs, adaLN modulation, SwiGLU, the gated "
+    "residuals, per-head RMSNorm + RoPE on q and k, and the hand-over of norm statistics between consecutive "
+    "blocks (other models have no block fusion: block and linears patch the same). "
     "linears: only replaces each NVFP4 Linear's activation pack. Both are bit-identical to ComfyUI."
 )
 
@@ -85,16 +86,18 @@ class H3FusedNVFP4Loader(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="H3FusedNVFP4Loader",
-            display_name="Load H3 Diffusion Model (Fused NVFP4)",
+            display_name="Load Diffusion Model (Fused NVFP4)",
             category=CATEGORY,
             description=(
-                "Loads a diffusion model like 'Load Diffusion Model' and, for a MiniMax H3 checkpoint with NVFP4 "
-                "layers, replaces ComfyUI's activation packing and the elementwise ops around it with fused CUDA "
-                "kernels. Output is bit-identical to ComfyUI's; other models load unchanged."
+                "Loads any diffusion model file exactly like 'Load Diffusion Model' and replaces the activation "
+                "packing of every NVFP4 Linear with a fused CUDA kernel; on MiniMax H3 it also fuses the "
+                "elementwise ops of each block around them. Output is bit-identical to ComfyUI's; models without "
+                "NVFP4 layers load unchanged."
             ),
             inputs=[
                 io.Combo.Input("unet_name", options=comfy_adapter.diffusion_model_names(),
-                               tooltip="Diffusion model file from models/diffusion_models (an NVFP4 H3 checkpoint)."),
+                               tooltip="Diffusion model file from models/diffusion_models "
+                                       "(any model; NVFP4 layers get fused)."),
                 _input(io.Combo.Input, "weight_dtype", options=WEIGHT_DTYPES, default="default", advanced=True,
                        tooltip="Same as 'Load Diffusion Model': cast non-quantized weights (default keeps them)."),
                 _scope_input(),
@@ -113,13 +116,16 @@ class H3FusedNVFP4Patch(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="H3FusedNVFP4Patch",
-            display_name="Patch H3 Model (Fused NVFP4)",
+            display_name="Patch Model (Fused NVFP4)",
             category=CATEGORY,
             description=(
-                "Applies the fused NVFP4 path to a MiniMax H3 model from any loader (for example after a LoRA "
-                "loader). Works on a clone; the input model is untouched. Non-H3 or non-NVFP4 models pass through."
+                "Applies the fused NVFP4 path to any MODEL from any loader (for example after a LoRA loader): "
+                "every NVFP4 Linear, plus the block fusion on MiniMax H3. Works on a clone; the input model is "
+                "untouched. Models without NVFP4 layers pass through."
             ),
-            inputs=[io.Model.Input("model", tooltip="A MiniMax H3 model with NVFP4 layers."), _scope_input()],
+            inputs=[io.Model.Input("model",
+                                   tooltip="Any model; its NVFP4 Linears get fused (MiniMax H3: its blocks too)."),
+                    _scope_input()],
             outputs=[io.Model.Output()],
         )
 
@@ -134,14 +140,15 @@ class H3FusedNVFP4Toggle(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="H3FusedNVFP4Toggle",
-            display_name="H3 Fused NVFP4 Toggle",
+            display_name="Fused NVFP4 Toggle",
             category=CATEGORY,
             description=(
-                "Chooses, per model clone, between the fused kernels and ComfyUI's own NVFP4 path. Both give the "
+                "Chooses, on a clone of any model, between the fused kernels and ComfyUI's own NVFP4 path. "
+                "Both give the "
                 "same bits; use it to A/B speed or to rule the pack out when debugging."
             ),
             inputs=[
-                io.Model.Input("model", tooltip="A MiniMax H3 model (patched or not); the output is a clone."),
+                io.Model.Input("model", tooltip="Any model (patched or not); the output is a clone."),
                 io.Combo.Input("path", options=PATHS, default="fused",
                                tooltip="fused: this pack's kernels. comfy: ComfyUI's stock packer and linear path."),
                 _toggle_scope_input(),

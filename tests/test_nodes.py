@@ -118,6 +118,29 @@ def test_pack_loads_as_v3_through_comfyui_loader(pack, comfyui):
     assert scope[1]["options"] == ["as patched", *patch_mod.SCOPES] and scope[1]["default"] == "as patched"
 
 
+# Loader, Patch and Toggle serve any model (every NVFP4 Linear is fused; H3 also gets its blocks): their names say
+# NVFP4, not H3. Calibrate and Save Calibrated inspect H3 checkpoints and keep H3 in their names. Ids never change.
+DISPLAY_NAMES = {
+    "H3FusedNVFP4Loader": "Load Diffusion Model (Fused NVFP4)",
+    "H3FusedNVFP4Patch": "Patch Model (Fused NVFP4)",
+    "H3FusedNVFP4Toggle": "Fused NVFP4 Toggle",
+    "H3FusedNVFP4Calibrate": "Calibrate H3 NVFP4 Scales",
+    "H3FusedNVFP4SaveCalibrated": "Save Calibrated H3 NVFP4",
+}
+
+
+def test_display_names_and_texts_say_which_models(pack, comfyui):
+    assert pack.display_names == DISPLAY_NAMES
+    readme = (ch.REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    for node_id, name in DISPLAY_NAMES.items():
+        assert f"**{name}**" in readme and f"`{node_id}`" in readme, name
+    for node_id in ("H3FusedNVFP4Loader", "H3FusedNVFP4Patch", "H3FusedNVFP4Toggle"):
+        schema = comfyui.nodes.NODE_CLASS_MAPPINGS[node_id].define_schema()
+        assert "any" in schema.description, node_id
+        texts = [schema.description] + [i.tooltip or "" for i in schema.inputs if i.id != "scope"]
+        assert not any("MiniMax H3 model" in t or "H3 checkpoint" in t for t in texts), (node_id, texts)
+
+
 # ---- the whole model through the nodes ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("scope", patch_mod.SCOPES)
@@ -350,7 +373,7 @@ def test_scope_tooltip_and_readme_name_everything_block_fuses(comfyui):
     from h3_fused_nvfp4 import nodes
 
     readme = " ".join((ch.REPO_ROOT / "README.md").read_text(encoding="utf-8").split())
-    scope_text = readme[readme.index("`block` (default) fuses"):]
+    scope_text = readme[readme.index("`block` (default)"):]
     scope_text = scope_text[:scope_text.index("bit-identical")]
     for phrase in SCOPE_BLOCK_FUSES:
         assert phrase in nodes.SCOPE_TOOLTIP, phrase

@@ -1,13 +1,19 @@
-"""The shipped example workflow against ComfyUI's official MiniMax H3 text-to-video template.
+"""The shipped example workflows against ComfyUI's official templates they are built on.
 
-``example_workflows/h3_t2v_1344x768_124f_fused_nvfp4.json`` is the official template (``video_minimax_h3_t2v.json`` from
-``comfyui-workflow-templates-json==0.1.123``, read from the installed package) flattened, with UNETLoader replaced
-by this pack's loader plus the A/B toggle and the turbo-LoRA switch left out. These tests pin that:
+Each workflow in ``CASES`` is an official template of ``comfyui-workflow-templates-json==0.1.123`` (read from the
+installed package) flattened, with UNETLoader replaced by this pack's loader plus the A/B toggle:
+
+* ``example_workflows/h3_t2v_1344x768_124f_fused_nvfp4.json``: ``video_minimax_h3_t2v.json`` (MiniMax H3 text to
+  video), the turbo-LoRA switch left out;
+* ``example_workflows/z_image_turbo_t2i_1024x1024_8steps_fused_nvfp4.json``: ``image_z_image_turbo.json`` (Z-Image
+  Turbo text to image).
+
+Every test below runs for each of them. They pin:
 
 * every node type is a template node type or one of this pack's node ids;
 * for template node types, the widget layout (count, names, order, value types) is the template's, and every value
   equals what the template actually runs with (its subgraph inputs, primitives, switches and math expression
-  resolved), except the deliberate changes listed in ``DELIBERATE``;
+  resolved), except the deliberate changes each case lists (``Case.deliberate``);
 * the wiring is the template's (same edges once the switch is collapsed and UNETLoader is swapped for our nodes);
 * the UI-format links are consistent;
 * with the real headless ComfyUI the tests run (tests/comfy_harness.py): our nodes resolve through ComfyUI's
@@ -23,38 +29,94 @@ import importlib.resources
 import json
 import os
 import pathlib
+from dataclasses import dataclass, field
 
 import comfy_harness as ch
 import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKFLOW_PATH = REPO_ROOT / "example_workflows" / "h3_t2v_1344x768_124f_fused_nvfp4.json"
+EXAMPLES = REPO_ROOT / "example_workflows"
 
 TEMPLATE_DIST = "comfyui-workflow-templates-json"
 TEMPLATE_DIST_VERSION = "0.1.123"
 TEMPLATE_PACKAGE = "comfyui_workflow_templates_json"  # import name inside that wheel
-TEMPLATE_FILE = "templates/video_minimax_h3_t2v.json"
 
 PACK_NODE_IDS = {"H3FusedNVFP4Loader", "H3FusedNVFP4Patch", "H3FusedNVFP4Toggle"}
-UNET_NAME = "minimax_h3_fl2va_nvfp4.safetensors"
-
-# (node type, widget name) -> why our value differs from the value the template runs with. Nothing else may differ.
-DELIBERATE = {
-    ("MiniMaxH3ImageToVideo", "prompt"): "our own example prompt",
-    ("MiniMaxH3ImageToVideo", "width"): "1344x768, H3's native 768p canvas (the template's Resolution Selector "
-                                        "feeds 16:9 at 0.4 MP, i.e. 864x480)",
-    ("MiniMaxH3ImageToVideo", "height"): "as width",
-    ("SaveVideo", "filename_prefix"): "outputs of this workflow get their own prefix",
-    ("MarkdownNote", "text"): "our notes: model files and how to A/B with the toggle",
-}
-# Template node types that only carry values or the turbo option; resolved away, not in our graph.
+# Template node types that only carry values or the turbo option; resolved away, not in our graphs.
 PLUMBING_TYPES = {"PrimitiveInt", "PrimitiveFloat", "PrimitiveBoolean", "ComfySwitchNode", "ComfyMathExpression",
                   "ResolutionSelector"}
-DROPPED_TYPES = {"LoraLoaderModelOnly"}  # turbo LoRA: off in the template (turbo_mode False), left out here
 REPLACED_TYPES = {"UNETLoader": "H3FusedNVFP4Toggle"}  # whose MODEL output our toggle now provides
 NOTE_TYPES = {"MarkdownNote", "Note"}
 # Frontend-only widgets (not node inputs, absent from the API format)
 FRONTEND_ONLY_WIDGETS = {"control_after_generate"}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One example workflow and the official template it is built on."""
+
+    workflow: str  # file in example_workflows/
+    template: str  # file in the templates package
+    unet_name: str  # the Loader's file
+    output_type: str  # the node every working node feeds
+    # (node type, widget name) -> why our value differs from the value the template runs with. Nothing else may.
+    deliberate: dict
+    dropped_types: frozenset = frozenset()  # template working nodes left out (off in the template's default run)
+    # Widget names of template nodes saved without ``widgets_values_named`` (older frontends); checked against the
+    # real ComfyUI's schemas for its core node types (test_template_widget_names_are_comfyui_s).
+    widget_names: dict = field(default_factory=dict)
+    core_types: frozenset = frozenset()  # its node types from ComfyUI's core nodes.py (the rest are comfy_extras)
+
+    def __str__(self):
+        return self.workflow
+
+
+H3_T2V = Case(
+    workflow="h3_t2v_1344x768_124f_fused_nvfp4.json",
+    template="templates/video_minimax_h3_t2v.json",
+    unet_name="minimax_h3_fl2va_nvfp4.safetensors",
+    output_type="SaveVideo",
+    deliberate={
+        ("MiniMaxH3ImageToVideo", "prompt"): "our own example prompt",
+        ("MiniMaxH3ImageToVideo", "width"): "1344x768, H3's native 768p canvas (the template's Resolution Selector "
+                                            "feeds 16:9 at 0.4 MP, i.e. 864x480)",
+        ("MiniMaxH3ImageToVideo", "height"): "as width",
+        ("SaveVideo", "filename_prefix"): "outputs of this workflow get their own prefix",
+        ("MarkdownNote", "text"): "our notes: model files and how to A/B with the toggle",
+    },
+    dropped_types=frozenset({"LoraLoaderModelOnly"}),  # turbo LoRA: off in the template (turbo_mode False)
+    core_types=frozenset({"CLIPLoader", "VAELoader", "VAEDecode"}),
+)
+
+Z_IMAGE_TURBO_T2I = Case(
+    workflow="z_image_turbo_t2i_1024x1024_8steps_fused_nvfp4.json",
+    template="templates/image_z_image_turbo.json",
+    # Comfy-Org's Z-Image Turbo NVFP4 file; the templates package names none, the notes call this one a placeholder
+    unet_name="z_image_turbo_nvfp4.safetensors",
+    output_type="SaveImage",
+    deliberate={
+        ("KSampler", "control_after_generate"): "fixed instead of randomize: the A/B runs must reuse the seed",
+        ("SaveImage", "filename_prefix"): "outputs of this workflow get their own prefix",
+        ("MarkdownNote", "text"): "our notes: model files and how to A/B with the toggle",
+    },
+    widget_names={
+        "CLIPLoader": ["clip_name", "type", "device"],
+        "VAELoader": ["vae_name"],
+        "UNETLoader": ["unet_name", "weight_dtype"],
+        "CLIPTextEncode": ["text"],
+        "ConditioningZeroOut": [],
+        "EmptySD3LatentImage": ["width", "height", "batch_size"],
+        "ModelSamplingAuraFlow": ["shift"],
+        "KSampler": ["seed", "control_after_generate", "steps", "cfg", "sampler_name", "scheduler", "denoise"],
+        "VAEDecode": [],
+        "SaveImage": ["filename_prefix"],
+        "MarkdownNote": ["text"],
+    },
+    core_types=frozenset({"CLIPLoader", "VAELoader", "CLIPTextEncode", "ConditioningZeroOut", "KSampler",
+                          "VAEDecode", "SaveImage"}),
+)
+
+CASES = [H3_T2V, Z_IMAGE_TURBO_T2I]
 
 SUBGRAPH_INPUT_NODE, SUBGRAPH_OUTPUT_NODE = -10, -20
 
@@ -74,33 +136,49 @@ class LinkedAtTopLevel:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def load_workflow() -> dict:
-    return json.loads(WORKFLOW_PATH.read_text(encoding="utf-8"))
+def load_workflow(case: Case) -> dict:
+    return json.loads((EXAMPLES / case.workflow).read_text(encoding="utf-8"))
 
 
-def load_template() -> dict:
+def load_template(case: Case) -> dict:
     try:
         files = importlib.resources.files(TEMPLATE_PACKAGE)
     except ModuleNotFoundError:
         if os.environ.get("CI"):
             raise
         pytest.skip(f"{TEMPLATE_DIST}=={TEMPLATE_DIST_VERSION} not installed (tests/requirements-test.txt)")
-    return json.loads((files / TEMPLATE_FILE).read_text(encoding="utf-8"))
+    template = json.loads((files / case.template).read_text(encoding="utf-8"))
+    graphs = [template, *template.get("definitions", {}).get("subgraphs", [])]
+    for node in (n for graph in graphs for n in graph["nodes"]):
+        if "widgets_values_named" not in node and node["type"] in case.widget_names:  # name the saved values
+            names = case.widget_names[node["type"]]
+            assert len(names) == len(node.get("widgets_values", [])), (node["type"], node.get("widgets_values"))
+            node["widgets_values_named"] = dict(zip(names, node.get("widgets_values", [])))
+    return template
+
+
+@pytest.fixture(scope="module", params=CASES, ids=str)
+def case(request) -> Case:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def workflow() -> dict:
-    return load_workflow()
+def workflow(case) -> dict:
+    return load_workflow(case)
 
 
 @pytest.fixture(scope="module")
-def template() -> dict:
-    return load_template()
+def template(case) -> dict:
+    return load_template(case)
 
 
 @pytest.fixture(scope="module")
-def resolved(template) -> "ResolvedTemplate":
-    return ResolvedTemplate(template)
+def resolved(template, case) -> "ResolvedTemplate":
+    return ResolvedTemplate(template, case)
+
+
+def test_every_example_workflow_is_checked_here():
+    assert sorted(p.name for p in EXAMPLES.glob("*.json")) == sorted(c.workflow for c in CASES)
 
 
 def nodes_by_id(graph: dict) -> dict[int, dict]:
@@ -136,8 +214,9 @@ def eval_math(expression: str, **values):
 class ResolvedTemplate:
     """The template's single subgraph with every linked widget replaced by the value that reaches it."""
 
-    def __init__(self, template: dict):
+    def __init__(self, template: dict, case: Case):
         self.template = template
+        self.skipped = PLUMBING_TYPES | case.dropped_types
         (self.subgraph,) = template["definitions"]["subgraphs"]
         instances = [n for n in template["nodes"] if n["type"] == self.subgraph["id"]]
         assert len(instances) == 1
@@ -149,11 +228,13 @@ class ResolvedTemplate:
     # values ----------------------------------------------------------------------------------------------------------
 
     def subgraph_input(self, slot: int):
+        """The value the instance gives subgraph input ``slot``; None where the instance saves none (a promoted
+        widget, ``proxyWidgets``: the inner node's own value is the one that runs)."""
         name = self.subgraph["inputs"][slot]["name"]
         for inp in self.instance["inputs"]:
             if inp.get("widget", {}).get("name") == name and inp.get("link") is not None:
                 return LinkedAtTopLevel(name)
-        return self.instance["widgets_values_named"][name]
+        return self.instance.get("widgets_values_named", {}).get(name)
 
     def input_value(self, node: dict, name: str):
         """Value arriving at input/widget ``name`` of inner ``node``."""
@@ -161,7 +242,8 @@ class ResolvedTemplate:
             if inp["name"] == name and inp.get("link") is not None:
                 link = self.links[inp["link"]]
                 if link["origin_id"] == SUBGRAPH_INPUT_NODE:
-                    return self.subgraph_input(link["origin_slot"])
+                    value = self.subgraph_input(link["origin_slot"])
+                    return node["widgets_values_named"][name] if value is None else value
                 return self.output_value(self.nodes[link["origin_id"]], link["origin_slot"])
         return node["widgets_values_named"][name]
 
@@ -197,7 +279,7 @@ class ResolvedTemplate:
 
     def runs(self) -> list[dict]:
         """Inner and top-level nodes that do work in the template's default run (no plumbing, no turbo LoRA)."""
-        inner = [n for n in self.subgraph["nodes"] if n["type"] not in PLUMBING_TYPES | DROPPED_TYPES]
+        inner = [n for n in self.subgraph["nodes"] if n["type"] not in self.skipped]
         top = [n for n in self.top_nodes if n["type"] not in PLUMBING_TYPES]
         return inner + top
 
@@ -208,7 +290,7 @@ class ResolvedTemplate:
             if link["origin_id"] == SUBGRAPH_INPUT_NODE:
                 continue  # widget values, compared separately
             origin, slot = self.source(link["origin_id"], link["origin_slot"])
-            if origin["type"] in PLUMBING_TYPES | DROPPED_TYPES:
+            if origin["type"] in self.skipped:
                 continue
             out_name = origin["outputs"][slot]["name"]
             if link["target_id"] == SUBGRAPH_OUTPUT_NODE:
@@ -220,7 +302,7 @@ class ResolvedTemplate:
                         edges.add((key(origin), out_name, key(target), target["inputs"][t_slot]["name"]))
                 continue
             target = self.nodes[link["target_id"]]
-            if target["type"] in PLUMBING_TYPES | DROPPED_TYPES:
+            if target["type"] in self.skipped:
                 continue
             edges.add((key(origin), out_name, key(target), target["inputs"][link["target_slot"]]["name"]))
         return edges
@@ -252,16 +334,28 @@ def workflow_edges(workflow: dict) -> set[tuple]:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def test_template_is_the_pinned_official_one(template, resolved):
+def test_template_is_the_pinned_official_one(case, template, resolved):
     assert importlib.metadata.version(TEMPLATE_DIST) == TEMPLATE_DIST_VERSION
     types = {n["type"] for n in resolved.subgraph["nodes"]}
-    assert {"UNETLoader", "MiniMaxH3ImageToVideo", "SamplerCustomAdvanced", "CreateVideo"} <= types
-    # what the template runs with by default: 5 s -> 124 frames, 20 steps (turbo off), res_multistep
-    values = {n["type"]: resolved.widgets(n) for n in resolved.runs() if n["type"] != "VAELoader"}
-    assert values["MiniMaxH3ImageToVideo"]["length"] == 124
-    assert values["BasicScheduler"] == {"scheduler": "simple", "steps": 20, "denoise": 1}
-    assert values["KSamplerSelect"] == {"sampler_name": "res_multistep"}
-    assert values["CreateVideo"]["fps"] == 24
+    values = {n["type"]: resolved.widgets(n) for n in resolved.runs() if n["type"] not in ("VAELoader", *NOTE_TYPES)}
+    if case is H3_T2V:
+        assert {"UNETLoader", "MiniMaxH3ImageToVideo", "SamplerCustomAdvanced", "CreateVideo"} <= types
+        # what the template runs with by default: 5 s -> 124 frames, 20 steps (turbo off), res_multistep
+        assert values["MiniMaxH3ImageToVideo"]["length"] == 124
+        assert values["BasicScheduler"] == {"scheduler": "simple", "steps": 20, "denoise": 1}
+        assert values["KSamplerSelect"] == {"sampler_name": "res_multistep"}
+        assert values["CreateVideo"]["fps"] == 24
+    elif case is Z_IMAGE_TURBO_T2I:
+        assert {"UNETLoader", "CLIPTextEncode", "ModelSamplingAuraFlow", "KSampler", "EmptySD3LatentImage"} <= types
+        # what the template runs with: its prompt widget, 1024x1024, 8 steps res_multistep / simple, cfg 1, shift 3
+        assert values["UNETLoader"] == {"unet_name": "z_image_turbo_bf16.safetensors", "weight_dtype": "default"}
+        assert values["EmptySD3LatentImage"] == {"width": 1024, "height": 1024, "batch_size": 1}
+        assert values["KSampler"] == {"seed": 0, "control_after_generate": "randomize", "steps": 8, "cfg": 1,
+                                      "sampler_name": "res_multistep", "scheduler": "simple", "denoise": 1}
+        assert values["ModelSamplingAuraFlow"] == {"shift": 3}
+        assert values["CLIPLoader"]["type"] == "lumina2"
+    else:  # pragma: no cover
+        raise AssertionError(f"say what {case.template} runs with")
 
 
 def test_node_types_are_template_types_or_ours(workflow, template, resolved):
@@ -281,7 +375,7 @@ def test_same_working_nodes_as_the_template(workflow, resolved):
         "H3FusedNVFP4Loader", "H3FusedNVFP4Toggle"]
 
 
-def test_widgets_match_template(workflow, resolved):
+def test_widgets_match_template(case, workflow, resolved):
     by_type: dict[str, list[dict]] = {}
     for node in resolved.subgraph["nodes"] + resolved.top_nodes:
         by_type.setdefault(node["type"], []).append(node)
@@ -308,7 +402,7 @@ def test_widgets_match_template(workflow, resolved):
             if type(value) not in ref_types:
                 problems.append(f"{where}.{name}: {type(value).__name__}, "
                                 f"template {sorted(t.__name__ for t in ref_types)}")
-            if (node["type"], name) in DELIBERATE:
+            if (node["type"], name) in case.deliberate:
                 continue
             expected = [rv[name] for rv in run_values]
             if value not in expected:
@@ -316,10 +410,10 @@ def test_widgets_match_template(workflow, resolved):
     assert not problems, "\n".join(problems)
 
 
-def test_deliberate_changes_are_real_and_listed_values_only(workflow, resolved):
-    """Every DELIBERATE entry names a widget that exists; a stale entry would hide a real difference."""
+def test_deliberate_changes_are_real_and_listed_values_only(case, workflow, resolved):
+    """Every deliberate entry names a widget that exists; a stale entry would hide a real difference."""
     types = {n["type"]: widget_names(n) for n in workflow["nodes"]}
-    for node_type, name in DELIBERATE:
+    for node_type, name in case.deliberate:
         assert name in types.get(node_type, []), (node_type, name)
     # and the template feeds every top-level-linked value only into widgets we deliberately set
     for node in resolved.runs():
@@ -327,14 +421,27 @@ def test_deliberate_changes_are_real_and_listed_values_only(workflow, resolved):
             continue
         for name, value in resolved.widgets(node).items():
             if isinstance(value, LinkedAtTopLevel):
-                assert (node["type"], name) in DELIBERATE, (node["type"], name, value)
+                assert (node["type"], name) in case.deliberate, (node["type"], name, value)
 
 
-def test_generation_settings(workflow):
+def test_generation_settings(case, workflow):
     nodes = {}
     for node in workflow["nodes"]:
         nodes.setdefault(node["type"], []).append(node["widgets_values_named"]
                                                   if "widgets_values_named" in node else {})
+    (loader,) = nodes["H3FusedNVFP4Loader"]
+    assert loader["unet_name"] == case.unet_name
+    (toggle,) = nodes["H3FusedNVFP4Toggle"]
+    assert toggle["path"] == "fused"
+    if case is H3_T2V:
+        check_h3_t2v_settings(nodes)
+    elif case is Z_IMAGE_TURBO_T2I:
+        check_z_image_turbo_settings(nodes)
+    else:  # pragma: no cover
+        raise AssertionError(f"say what {case.workflow} generates")
+
+
+def check_h3_t2v_settings(nodes):
     (i2v,) = nodes["MiniMaxH3ImageToVideo"]
     assert (i2v["width"], i2v["height"], i2v["length"]) == (1344, 768, 124)
     assert (i2v["length"] - 5) % 17 == 0  # H3's temporal grid: 17k + 5 frames
@@ -345,10 +452,18 @@ def test_generation_settings(workflow):
     assert nodes["CreateVideo"][0]["fps"] == 24
     assert nodes["RandomNoise"][0]["control_after_generate"] == "fixed"  # A/B runs must reuse the seed
     assert nodes["CLIPLoader"][0]["type"] == "minimax"
-    (loader,) = nodes["H3FusedNVFP4Loader"]
-    assert loader["unet_name"] == UNET_NAME
-    (toggle,) = nodes["H3FusedNVFP4Toggle"]
-    assert toggle["path"] == "fused"
+
+
+def check_z_image_turbo_settings(nodes):
+    (latent,) = nodes["EmptySD3LatentImage"]
+    assert latent == {"width": 1024, "height": 1024, "batch_size": 1}
+    (sampler,) = nodes["KSampler"]
+    assert sampler["control_after_generate"] == "fixed"  # A/B runs must reuse the seed
+    assert (sampler["steps"], sampler["cfg"], sampler["sampler_name"], sampler["scheduler"]) == (
+        8, 1, "res_multistep", "simple")
+    assert nodes["ModelSamplingAuraFlow"] == [{"shift": 3}]
+    assert nodes["CLIPLoader"][0]["type"] == "lumina2"
+    assert nodes["CLIPTextEncode"][0]["text"].strip()
 
 
 def test_wiring_matches_template(workflow, resolved):
@@ -359,7 +474,7 @@ def test_wiring_matches_template(workflow, resolved):
     assert theirs - ours == set(), f"template edges missing here: {sorted(theirs - ours)}"
 
 
-def test_links_are_consistent(workflow):
+def test_links_are_consistent(case, workflow):
     nodes = nodes_by_id(workflow)
     assert len(nodes) == len(workflow["nodes"]), "duplicate node ids"
     links = {}
@@ -391,11 +506,11 @@ def test_links_are_consistent(workflow):
             for lid in out.get("links") or []:
                 assert lid in links and (links[lid][1], links[lid][2]) == (node["id"], slot), (node["id"], out)
 
-    # every node does something: all non-note nodes reach the SaveVideo output
+    # every node does something: all non-note nodes reach the output node
     consumers = {}
     for _, o_id, _, t_id, _, _ in links.values():
         consumers.setdefault(o_id, set()).add(t_id)
-    (save,) = [n["id"] for n in workflow["nodes"] if n["type"] == "SaveVideo"]
+    (save,) = [n["id"] for n in workflow["nodes"] if n["type"] == case.output_type]
     for node in workflow["nodes"]:
         if node["type"] in NOTE_TYPES or node["id"] == save:
             continue
@@ -405,7 +520,7 @@ def test_links_are_consistent(workflow):
                 if nxt not in seen:
                     seen.add(nxt)
                     todo.append(nxt)
-        assert save in seen, f"node {node['id']} {node['type']} does not feed the SaveVideo"
+        assert save in seen, f"node {node['id']} {node['type']} does not feed the {case.output_type}"
 
     orders = sorted(n["order"] for n in workflow["nodes"])
     assert orders == list(range(len(workflow["nodes"])))
@@ -429,13 +544,13 @@ def test_notes_explain_files_and_ab(workflow):
 
 
 @pytest.fixture
-def nvfp4_file(comfyui, tmp_path):
-    """Make ``UNET_NAME`` an existing models/diffusion_models file for ComfyUI's combo validation."""
+def nvfp4_file(case, comfyui, tmp_path):
+    """Make the case's Loader file an existing models/diffusion_models file for ComfyUI's combo validation."""
     folder = tmp_path / "diffusion_models"
     folder.mkdir()
-    (folder / UNET_NAME).write_bytes(b"")
+    (folder / case.unet_name).write_bytes(b"")
     with ch.diffusion_models_folder(folder):
-        yield UNET_NAME
+        yield case.unet_name
 
 
 def to_api(workflow: dict, node_ids: set[int] | None = None) -> dict:
@@ -511,20 +626,30 @@ def test_api_subset_of_our_nodes_validates(workflow, pack, comfyui, nvfp4_file):
         ch.validate_prompt(broken, toggle)
 
 
-# The workflow's node types in ComfyUI's core nodes.py (the rest are comfy_extras nodes, loaded only by a full start).
-CORE_TYPES = {"CLIPLoader", "VAELoader", "VAEDecode"}
-
-
-def test_core_nodes_take_our_inputs(workflow, comfyui):
-    """The API inputs we would submit are inputs of ComfyUI's own classes for its core node types."""
+def test_core_nodes_take_our_inputs(case, workflow, comfyui):
+    """The API inputs we would submit are inputs of ComfyUI's own classes for its core node types (ComfyUI's
+    nodes.py; comfy_extras nodes are loaded only by a full start)."""
     mappings = comfyui.nodes.NODE_CLASS_MAPPINGS
     prompt = to_api(workflow)
     checked = set()
     for node in prompt.values():
-        if node["class_type"] not in CORE_TYPES:
+        if node["class_type"] not in case.core_types:
             continue
         spec = mappings[node["class_type"]].INPUT_TYPES()
         known = set(spec.get("required", {})) | set(spec.get("optional", {}))
         assert set(node["inputs"]) <= known, (node["class_type"], set(node["inputs"]) - known)
         checked.add(node["class_type"])
-    assert checked == CORE_TYPES
+    assert checked == case.core_types
+
+
+def test_template_widget_names_are_comfyui_s(case, comfyui):
+    """The names this file gives a template's unnamed widget values are the widget inputs of ComfyUI's core node
+    classes, in order (control_after_generate is the frontend's, right after seed)."""
+    mappings = comfyui.nodes.NODE_CLASS_MAPPINGS
+    for node_type, names in case.widget_names.items():
+        if node_type not in mappings or node_type in NOTE_TYPES:
+            continue  # a comfy_extras node: not loaded by the headless harness
+        spec = mappings[node_type].INPUT_TYPES()
+        widgets = [name for section in ("required", "optional") for name, value in spec.get(section, {}).items()
+                   if isinstance(value[0], list) or value[0] in ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")]
+        assert [n for n in names if n not in FRONTEND_ONLY_WIDGETS] == widgets, (node_type, widgets)
