@@ -3,7 +3,8 @@
 Public functions (all bit-identical to ComfyUI's stock ops followed by comfy-kitchen's CUDA packer):
 
 * :func:`pack_nvfp4` - NVFP4-pack an activation read through a *source* (plain rows, RMSNorm and/or adaLN
-  modulation, SwiGLU of an fc1 output, or rows times a Linear's ``pre_quant_scale``), with a dynamic (device-computed), precomputed or static global scale.
+  modulation, SwiGLU of an fc1 output, or rows times a Linear's ``pre_quant_scale``), with a dynamic
+  (device-computed), precomputed or static global scale.
 * :func:`norm_statistics` - torch's RMSNorm rstd of every row, optionally with the amax of the modulated, normalized
   rows (the next projection's global scale): the norm's output itself is never written.
 * :func:`gated_residual_` - ``x[r] += other[r] * gate[mod_index[r]]`` in place, optionally followed in the same pass

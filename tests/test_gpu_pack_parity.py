@@ -408,7 +408,8 @@ def test_prescale_pack_hard_cases(case):
         scales.append(torch.tensor([0.75], device="cuda"))
     elif case == "subnormal_products":  # |x p| down to 2^-133 and below: the bf16 product rounds in the subnormals
         x = (torch.randn(257, 2048, device="cuda") * 1e-20).to(torch.bfloat16)
-        table = torch.exp2(-torch.randint(100, 125, (2048,), device="cuda").float()) * (1 + torch.rand(2048, device="cuda"))
+        exponents = torch.randint(100, 125, (2048,), device="cuda").float()
+        table = torch.exp2(-exponents) * (1 + torch.rand(2048, device="cuda"))
         scales.append(torch.tensor([1e-38], device="cuda"))
     elif case == "strided":
         wide = random_activation(3001, 3 * 2048)

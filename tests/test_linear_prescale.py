@@ -1,22 +1,22 @@
 """NVFP4 Linears with a ``pre_quant_scale`` (AWQ smoothing; H3's NVFP4 text encoder has them): ComfyUI's Linear
 multiplies its input by the table cast to the input dtype, then quantizes. The fused Linear folds that multiply into
-the pack (the prescale source). On the CPU through the kernels' Python twin (and on a GPU through the kernels): against ComfyUI's real NVFP4 Linear
-loaded from a state dict with a ``pre_quant_scale`` entry, equal output bytes, one fused call; the twin's pack
-against ComfyUI's own op sequence on the self-check's hard tables; refusals with a reason. (The CUDA kernels:
-tests/test_gpu_pack_parity.py.)"""
+the pack (the prescale source). Against ComfyUI's real NVFP4 Linear loaded from a state dict with a
+``pre_quant_scale`` entry (on the CPU through the kernels' Python twin, on a GPU through the kernels): equal output
+bytes, every call fused; the twin's pack against ComfyUI's own op sequence on the self-check's hard tables; refusals
+with a reason. (The kernels' pack parity: tests/test_gpu_pack_parity.py.)"""
 
 import logging
 
 import pytest
 import torch
+from conftest import cuda_available
+from parity import assert_bit_identical, fresh_seed
 
 from h3_fused_nvfp4 import comfy_adapter
 from h3_fused_nvfp4.core import probes
 from h3_fused_nvfp4.core.linear import FusedNVFP4Linear
 from h3_fused_nvfp4.kernels import twin_ops
 from h3_fused_nvfp4.tools import synthetic as syn
-from conftest import cuda_available
-from parity import assert_bit_identical, fresh_seed
 
 pytestmark = pytest.mark.usefixtures("comfyui")
 
