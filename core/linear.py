@@ -181,7 +181,8 @@ class FusedNVFP4Linear(PackPatch):
         prescale = None
         if reason is None and getattr(self.layer, "pre_quant_scale", None) is not None:
             if swiglu or source is not None:  # the pack reads one source: ComfyUI's ops build this input
-                reason = "the layer's pre_quant_scale and the caller's fused source (SwiGLU, RMSNorm, modulation)"
+                reason = ("the layer's pre_quant_scale cannot be folded into a pack that already reads a fused "
+                          "SwiGLU / RMSNorm / modulation source")
             else:
                 prescale = self.prescale(x.device, x.dtype)
         if reason is None:
