@@ -406,9 +406,9 @@ def test_prescale_pack_hard_cases(case):
         table = torch.arange(65536, dtype=torch.int32, device="cuda").to(torch.int16).view(torch.bfloat16)
         x = random_activation(64, 65536)
         scales.append(torch.tensor([0.75], device="cuda"))
-    elif case == "subnormal_products":  # |x p| down to 2^-133 and below: the bf16 product rounds in the subnormals
-        x = (torch.randn(257, 2048, device="cuda") * 1e-20).to(torch.bfloat16)
-        exponents = torch.randint(100, 125, (2048,), device="cuda").float()
+    elif case == "subnormal_products":  # |x| ~ 2^-66 times 2^-55..-75: products across 2^-126 down past 2^-133,
+        x = (torch.randn(257, 2048, device="cuda") * 1e-20).to(torch.bfloat16)  # rounded in the bf16 subnormals
+        exponents = torch.randint(55, 76, (2048,), device="cuda").float()
         table = torch.exp2(-exponents) * (1 + torch.rand(2048, device="cuda"))
         scales.append(torch.tensor([1e-38], device="cuda"))
     elif case == "strided":
