@@ -141,6 +141,16 @@ def cast_to(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
         return weight.to(device)
 
 
+def cast_to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """ComfyUI's ``cast_to_device`` (how its NVFP4 Linear casts ``pre_quant_scale`` to the input per call)."""
+    try:
+        import comfy.model_management
+
+        return comfy.model_management.cast_to_device(tensor, device, dtype)
+    except ImportError:
+        return tensor.to(device=device, dtype=dtype)
+
+
 def in_training() -> bool:
     try:
         import comfy.model_management

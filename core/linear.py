@@ -10,6 +10,10 @@ the reason once. The fused path is bit-identical to the stock one:
 The reduction is skipped where the layer has a static ``input_scale`` or the caller already reduced this input
 (``LinearSource.global_scale``: the block's residual kernels do that for the next projection).
 
+A layer with a ``pre_quant_scale`` (AWQ smoothing: ComfyUI multiplies the input by it, cast to the input dtype, before
+quantizing) packs through the prescale source: the reduction and the pack read ``x * pre_quant_scale`` without
+writing it. The bf16 cast of the table is made once per device, with ComfyUI's own cast.
+
 On compute capability < 10 there is no NVFP4 GEMM; ComfyUI itself then keeps these layers in full precision
 (``_full_precision_mm``) and so does this path. When NVFP4 compute is forced on such a GPU (tests, benchmarks),
 the GEMM is *emulated* exactly as comfy-kitchen's dispatch does after the FP4 GEMM fails: dequantize both
@@ -87,6 +91,7 @@ class FusedNVFP4Linear(PackPatch):
         self.name = name
         self.stock_forward = type(layer).forward.__get__(layer)
         self._static_alpha: dict[tuple, torch.Tensor] = {}
+        self._prescale: dict[tuple, torch.Tensor] = {}
         self.calls_fused = 0
         self.calls_stock = 0
         self.recorder = None  # core/calibration.py: records this layer's input amax while calibrating
@@ -104,8 +109,9 @@ class FusedNVFP4Linear(PackPatch):
             return "ComfyUI forces weight casting for this layer"
         if getattr(layer, "weight_function", None) or getattr(layer, "bias_function", None):
             return "weight patches (LoRA) are applied on the fly; ComfyUI's path handles them"
-        if getattr(layer, "pre_quant_scale", None) is not None:
-            return "the layer has a pre_quant_scale"
+        pqs = getattr(layer, "pre_quant_scale", None)
+        if pqs is not None and (tuple(pqs.shape) != (layer.in_features,) or not pqs.is_floating_point()):
+            return f"the pre_quant_scale is {pqs.dtype} {tuple(pqs.shape)}, not a float [in_features] table"
         if not is_nvfp4_weight(layer.weight):
             return "the weight is not an NVFP4 QuantizedTensor"
         return None
@@ -139,6 +145,22 @@ class FusedNVFP4Linear(PackPatch):
             self._static_alpha = {key: alpha}
         return scale, alpha
 
+    def prescale(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        """The layer's ``pre_quant_scale`` as ComfyUI's forward casts it for an input of ``dtype`` on ``device``
+        (None: the layer has none). Cast once per (table, device), like the static alpha: no per-call work."""
+        pqs = getattr(self.layer, "pre_quant_scale", None)
+        if pqs is None:
+            return None
+        key = (pqs.data_ptr(), pqs._version, pqs.dtype, str(device), dtype)
+        table = self._prescale.get(key)
+        if table is None:
+            with allocation_context():
+                table = comfy_adapter.cast_to_device(pqs.detach(), device, dtype)
+                if not table.is_contiguous() or table.data_ptr() % 16:  # the kernels read 16-byte aligned rows
+                    table = table.contiguous().clone()
+            self._prescale = {key: table}
+        return table
+
     def __call__(self, x: torch.Tensor, *, source=None, swiglu: bool = False, stock=None,
                  plan: ForwardPlan | None = None):
         """Forward of the layer. ``source`` (models/h3/sources.py ``LinearSource``) or ``swiglu`` make the pack
@@ -151,17 +173,25 @@ class FusedNVFP4Linear(PackPatch):
             if stock is not None:
                 built = stock()  # once: a fallback below reuses it
                 stock = lambda: built  # noqa: E731
-            self.recorder.record(self.name, stock() if stock is not None else x)
+            self._record(stock() if stock is not None else x)
         modulation = source.modulation if source is not None else None
         norm = source.norm if source is not None else None
         reason = self.refusal(x, x.shape[-1] // 2 if swiglu else x.shape[-1])
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        prescale = None
+        if reason is None and getattr(self.layer, "pre_quant_scale", None) is not None:
+            if swiglu or source is not None:  # the pack reads one source: ComfyUI's ops build this input
+                reason = ("the layer's pre_quant_scale cannot be folded into a pack that already reads a fused "
+                          "SwiGLU / RMSNorm / modulation source")
+            else:
+                prescale = self.prescale(x.device, x.dtype)
         if reason is None:
             plan = plan if plan is not None else plan_for(x.device)
-            op = "pack_swiglu" if swiglu else ("pack_norm" if norm is not None else
-                                               "pack_modulate" if modulation is not None else "pack")
+            op = ("pack_swiglu" if swiglu else "pack_norm" if norm is not None else
+                  "pack_modulate" if modulation is not None else "pack_prescale" if prescale is not None else "pack")
             reason = (plan.refusal(op, "linear")
-                      or plan.backend.pack_support(x2, swiglu=swiglu, modulation=modulation, norm=norm))
+                      or plan.backend.pack_support(x2, swiglu=swiglu, modulation=modulation, norm=norm,
+                                                   prescale=prescale))
         if reason is not None:
             return self._stock(reason, x, stock)
         backend = plan.backend
@@ -181,7 +211,7 @@ class FusedNVFP4Linear(PackPatch):
                         packed = backend.pack_nvfp4(
                             x2, static_scale=static, global_scale=reduced,
                             weight_scale_2=None if static is not None else weight._params.scale.reshape(1),
-                            swiglu=swiglu, modulation=modulation, norm=norm,
+                            swiglu=swiglu, modulation=modulation, norm=norm, prescale=prescale,
                         )
                         if static is not None:
                             packed.alpha = static_alpha
@@ -192,6 +222,13 @@ class FusedNVFP4Linear(PackPatch):
             return self._stock(reason, x, stock)
         self.calls_fused += 1
         return out.reshape(out_shape) if x.dim() >= 3 else out
+
+    def _record(self, h: torch.Tensor) -> None:
+        """Calibration records what ComfyUI quantizes: with a ``pre_quant_scale`` the input times the table."""
+        pqs = getattr(self.layer, "pre_quant_scale", None)
+        if pqs is not None:
+            h = h * comfy_adapter.cast_to_device(pqs, h.device, h.dtype)
+        self.recorder.record(self.name, h)
 
     def _stock(self, reason: str, x: torch.Tensor, stock):
         note_fallback(self.name, reason)

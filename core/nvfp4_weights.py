@@ -39,9 +39,11 @@ def random_weight(shape, gen: torch.Generator, device, std: float, dtype=torch.b
 
 
 def make_nvfp4_linear(in_features: int, out_features: int, *, seed: int = 0, device="cpu",
-                      input_scale: float | None = None, bias: bool = False, compute_dtype=torch.bfloat16):
+                      input_scale: float | None = None, bias: bool = False, compute_dtype=torch.bfloat16,
+                      pre_quant_scale: torch.Tensor | None = None):
     """One ComfyUI NVFP4 Linear (mixed-precision ops, NVFP4 compute forced on) with a random weight, loaded through
-    the layer's own state-dict loader."""
+    the layer's own state-dict loader (``pre_quant_scale``: an AWQ smoothing table [in_features], stored in the
+    checkpoint entry of that name and loaded by ComfyUI as it is, in its own dtype)."""
     layer = comfy_adapter.mixed_precision_ops(compute_dtype, disabled=[]).Linear(in_features, out_features, bias=bias,
                                                                                  device=device)
     gen = torch.Generator(device=device).manual_seed(int(seed))
@@ -49,5 +51,7 @@ def make_nvfp4_linear(in_features: int, out_features: int, *, seed: int = 0, dev
                                   input_scale)
     if bias:
         sd["bias"] = random_weight((out_features,), gen, device, 0.02)
+    if pre_quant_scale is not None:
+        sd["pre_quant_scale"] = pre_quant_scale.to(device)
     layer.load_state_dict(sd, strict=False)
     return layer.requires_grad_(False)

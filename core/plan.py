@@ -17,8 +17,8 @@ from ..kernels.backend import FusedOps, KernelBuildError, backend_for
 from . import verdicts
 
 # Every op a plan answers for: the kernel ops the self-check probes, the Linear path and a model's block check.
-OPS = ("global_scale", "pack", "pack_modulate", "pack_norm", "pack_swiglu", "gated_residual", "rms_norm",
-       "rms_rope", "linear", "block")
+OPS = ("global_scale", "pack", "pack_modulate", "pack_norm", "pack_swiglu", "pack_prescale", "gated_residual",
+       "rms_norm", "rms_rope", "linear", "block")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -138,6 +138,54 @@ def check_pack(backend, device) -> str | None:
     return None
 
 
+def prescale_table(k: int, seed: int = 11) -> torch.Tensor:
+    """A ``pre_quant_scale`` table [k] in fp32 (as ModelOpt stores it): AWQ-like factors around 1, and hard entries:
+    zeros, -0.0, negatives, values that overflow to inf or underflow to 0 / bf16 subnormals in the cast to bf16, and
+    values whose cast is a rounding tie."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    table = torch.exp(torch.randn((k,), generator=gen) * 0.7)
+    hard = [0.0, -0.0, -1.0, -0.37, 3.0e38, 3.4e38, -3.4e38, 1e-38, 2.0 ** -130, -(2.0 ** -133), 1e-45, 2.0 ** 100,
+            2.0 ** -100, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 448.0, 1.0 / 448]
+    table[:len(hard)] = torch.tensor(hard)
+    table[k // 2:k // 2 + len(hard)] = torch.tensor(hard)
+    return table
+
+
+def prescale_activations(device, k: int = 1056) -> dict[str, tuple[torch.Tensor, torch.Tensor, float | None]]:
+    """Named probe activations for the prescale pack, each with its fp32 table and static scale (None: dynamic)."""
+    acts = probe_activations(device, k=k)
+    random, _ = acts["random rows, dynamic scale"]
+    finite_hard, _ = acts["hard cases without NaN/inf, dynamic scale"]
+    hard, _ = acts["hard cases with NaN/inf, dynamic scale"]
+    strided, _ = acts["strided view, dynamic scale"]
+    table, hard_table = prescale_table(k), prescale_table(hard.shape[1])
+    finite_table = torch.nan_to_num(table, posinf=2.0, neginf=-2.0).clamp(-1e4, 1e4)
+    return {
+        "random rows x hard table, dynamic scale": (random, table, None),
+        "random rows x finite table, static scale": (random, finite_table, 2.0 / 2688 * 1.5),
+        "hard cases x hard table, static scale 1": (hard, hard_table, 1.0),
+        "hard cases without NaN/inf x finite table, dynamic scale": (finite_hard, finite_table[:hard.shape[1]], None),
+        "strided view x finite table, dynamic scale": (strided, finite_table, None),
+    }
+
+
+def comfy_prescaled(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's NVFP4 Linear's first step: the input times ``pre_quant_scale`` cast to the input dtype."""
+    return x * comfy_adapter.cast_to_device(table, x.device, x.dtype)
+
+
+def check_pack_prescale(backend, device) -> str | None:
+    """The pack of ``x * pre_quant_scale`` (the table cast to bf16 as ComfyUI casts it) against ComfyUI's multiply
+    and quantizer."""
+    for label, (x, table, scale) in prescale_activations(device).items():
+        prescale = comfy_adapter.cast_to_device(table, torch.device(device), torch.bfloat16).contiguous()
+        packed = backend.pack_nvfp4(x, static_scale=static_scale(scale, device), prescale=prescale)
+        diff = compare_packed(label, packed, comfy_quantized(comfy_prescaled(x, table), scale))
+        if diff:
+            return diff
+    return None
+
+
 def check_linear(backend, device) -> str | None:
     """The fused NVFP4 Linear (pack + device-alpha GEMM) against the stock NVFP4 Linear forward."""
     layer = make_nvfp4_linear(5376, 256, seed=29, device=device)
@@ -161,8 +209,9 @@ def linear_comfy_source() -> str:
 
 LINEAR_PROBES = ProbeSet(
     name="nvfp4_linear",
-    probes={"global_scale": check_global_scale, "pack": check_pack, "linear": check_linear},
+    probes={"global_scale": check_global_scale, "pack": check_pack, "pack_prescale": check_pack_prescale,
+            "linear": check_linear},
     comfy_source=linear_comfy_source,
-    shares_global_scale=("pack",),
+    shares_global_scale=("pack", "pack_prescale"),
     needs_fp4_gemm=("linear",),
 )

@@ -3,7 +3,8 @@
 Public functions (all bit-identical to ComfyUI's stock ops followed by comfy-kitchen's CUDA packer):
 
 * :func:`pack_nvfp4` - NVFP4-pack an activation read through a *source* (plain rows, RMSNorm and/or adaLN
-  modulation, or SwiGLU of an fc1 output), with a dynamic (device-computed), precomputed or static global scale.
+  modulation, SwiGLU of an fc1 output, or rows times a Linear's ``pre_quant_scale``), with a dynamic
+  (device-computed), precomputed or static global scale.
 * :func:`norm_statistics` - torch's RMSNorm rstd of every row, optionally with the amax of the modulated, normalized
   rows (the next projection's global scale): the norm's output itself is never written.
 * :func:`gated_residual_` - ``x[r] += other[r] * gate[mod_index[r]]`` in place, optionally followed in the same pass
@@ -93,13 +94,19 @@ def module_for(device: torch.device, source: str = PACKS):
 # ---- ctypes mirrors of the kernel parameter structs (must match packs.cu and residual_norm.cu) -------------
 
 
+class _ColumnTable(ctypes.Union):
+    """packs.cu SourceParams' per-column bf16 table: the RMSNorm weight or the pre_quant_scale."""
+    _fields_ = [("norm_weight", ctypes.c_void_p), ("prescale", ctypes.c_void_p)]
+
+
 class _SourceParams(ctypes.Structure):
     _fields_ = [
         ("x", ctypes.c_void_p), ("x_row_stride", ctypes.c_int64), ("rows", ctypes.c_int64),
         ("cols", ctypes.c_int64), ("up_offset", ctypes.c_int64), ("mod_scale", ctypes.c_void_p),
         ("mod_shift", ctypes.c_void_p), ("mod_row_stride", ctypes.c_int64), ("mod_index", ctypes.c_void_p),
-        ("silu_table", ctypes.c_void_p), ("rstd", ctypes.c_void_p), ("norm_weight", ctypes.c_void_p),
+        ("silu_table", ctypes.c_void_p), ("rstd", ctypes.c_void_p), ("column_table", _ColumnTable),
     ]
+    _anonymous_ = ("column_table",)
 
 
 class _PackParams(ctypes.Structure):
@@ -180,8 +187,15 @@ def rms_norm_support(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
+def _prescale_refusal(prescale: torch.Tensor, x: torch.Tensor, k: int) -> str | None:
+    if (prescale.dtype != torch.bfloat16 or prescale.shape != (k,) or prescale.device != x.device
+            or not _aligned(prescale)):
+        return f"the pre_quant_scale table must be a contiguous, 16-byte aligned bf16 [{k}] tensor on {x.device}"
+    return None
+
+
 def pack_support(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulation | None = None,
-                 norm: RmsNorm | None = None) -> str | None:
+                 norm: RmsNorm | None = None, prescale: torch.Tensor | None = None) -> str | None:
     """``None`` if the fused pack accepts these inputs, otherwise a human-readable reason."""
     if not x.is_cuda:
         return "the activation is not on a CUDA device"
@@ -191,6 +205,8 @@ def pack_support(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulatio
         return f"the activation must be 2-D, got {x.dim()}-D"
     if swiglu and (modulation is not None or norm is not None):
         return "a source is either SwiGLU or normalized / modulated"
+    if prescale is not None and (swiglu or modulation is not None or norm is not None):
+        return "a pre_quant_scale source reads plain rows (no SwiGLU, RMSNorm or modulation with it)"
     if norm is not None and modulation is None:
         return "a normalized source is also modulated (H3's adaLN)"
     k = x.shape[1] // 2 if swiglu else x.shape[1]
@@ -198,6 +214,10 @@ def pack_support(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulatio
         return f"the feature width {k} is not a multiple of 16"
     if not _aligned(x):
         return "the activation rows are not 16-byte aligned with unit column stride"
+    if prescale is not None:
+        reason = _prescale_refusal(prescale, x, k)
+        if reason is not None:
+            return reason
     if modulation is not None:
         reason = _modulation_refusal(modulation, x, k)
         if reason is not None:
@@ -323,8 +343,11 @@ def packed_buffer_bytes(rows: int, k: int) -> int:
     return packed_buffer_layout(rows, k)[4]
 
 
-def _source(x: torch.Tensor, k: int, swiglu: bool, modulation: Modulation | None, norm: RmsNorm | None):
+def _source(x: torch.Tensor, k: int, swiglu: bool, modulation: Modulation | None, norm: RmsNorm | None,
+            prescale: torch.Tensor | None = None):
     src = _SourceParams(x.data_ptr(), x.stride(0), x.shape[0], k, k if swiglu else 0)
+    if prescale is not None:
+        src.prescale = prescale.data_ptr()
     if modulation is not None:
         src.mod_scale = modulation.scale.data_ptr()
         src.mod_shift = modulation.shift.data_ptr()
@@ -336,9 +359,12 @@ def _source(x: torch.Tensor, k: int, swiglu: bool, modulation: Modulation | None
     return src
 
 
-def _variant(swiglu: bool, modulation: Modulation | None, norm: RmsNorm | None) -> str:
+def _variant(swiglu: bool, modulation: Modulation | None, norm: RmsNorm | None,
+             prescale: torch.Tensor | None = None) -> str:
     if swiglu:
         return "swiglu"
+    if prescale is not None:
+        return "prescale"
     if norm is not None:
         return "norm_modulate"
     return "modulate" if modulation is not None else "plain"
@@ -353,6 +379,7 @@ def pack_nvfp4(
     swiglu: bool = False,
     modulation: Modulation | None = None,
     norm: RmsNorm | None = None,
+    prescale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> PackedActivation:
     """NVFP4-pack ``h = source(x)`` exactly like comfy-kitchen's CUDA ``quantize_nvfp4`` after ComfyUI's ops.
@@ -367,18 +394,20 @@ def pack_nvfp4(
         weight_scale_2: fp32 one-element device tensor; the pack then writes the GEMM alpha (activation scale x
             weight scale) next to the global scale, so no follow-up launch computes it.
         modulation / norm / swiglu: the source (module docstring).
+        prescale: bf16 ``[K]`` contiguous: ``h = x * prescale`` (torch's bf16 multiply), a Linear's
+            ``pre_quant_scale`` cast to the activation dtype as ComfyUI's NVFP4 Linear casts it. Plain rows only.
         out: optional contiguous uint8 buffer of :func:`packed_buffer_bytes` bytes to write into.
 
     One launch with a static or precomputed scale, two otherwise; no host sync, one allocation.
     """
-    reason = pack_support(x, swiglu=swiglu, modulation=modulation, norm=norm)
+    reason = pack_support(x, swiglu=swiglu, modulation=modulation, norm=norm, prescale=prescale)
     if reason is not None:
         raise ValueError(reason)
     if static_scale is not None and global_scale is not None:
         raise ValueError("pass a static or a precomputed global scale, not both")
     if global_scale is None and static_scale is None and norm is not None:
         raise ValueError("a normalized source takes its global scale from norm_statistics")
-    variant = _variant(swiglu, modulation, norm)
+    variant = _variant(swiglu, modulation, norm, prescale)
     rows = x.shape[0]
     k = x.shape[1] // 2 if swiglu else x.shape[1]
     rows16, rows128, groups = roundup(rows, 16), roundup(roundup(rows, 16), 128), roundup(k // 16, 4) // 4
@@ -395,7 +424,7 @@ def pack_nvfp4(
 
     mod = module_for(x.device)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    src = _source(x, k, swiglu, modulation, norm)
+    src = _source(x, k, swiglu, modulation, norm, prescale)
     if static_scale is not None:
         global_scale = static_scale.reshape(1)
     elif global_scale is not None:
@@ -431,8 +460,8 @@ def pack_nvfp4(
 
 def _pack_units(variant: str, rows128: int, groups: int) -> int:
     """Warp units of work of a pack (packs.cu pack_body): one row of a SwiGLU source, two rows of the modulated
-    ones; for the plain one, single steps (PLAIN_ITEMS blocks a lane, 16 lanes a row) of two rows where the rows
-    split into whole steps (PlainSource::kSegmentSteps), else whole pairs."""
+    and prescaled ones; for the plain one, single steps (PLAIN_ITEMS blocks a lane, 16 lanes a row) of two rows where
+    the rows split into whole steps (PlainSource::kSegmentSteps), else whole pairs."""
     if variant == "swiglu":
         return rows128
     seg_lanes = 16 * LAUNCH["PLAIN_ITEMS"] if variant == "plain" else 0

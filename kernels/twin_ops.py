@@ -2,7 +2,8 @@
 
 Same functions and arguments as the CUDA kernels, computed with torch's own ops in the order the kernels promise
 to reproduce: RMSNorm is ``torch.nn.functional.rms_norm``, the adaLN modulation ``x * (1 + scale[m]) + shift[m]``
-with a bf16 rounding after each op, SwiGLU ``silu(gate) * up``, the residual ``x + other * gate[m]`` (torch's
+with a bf16 rounding after each op, SwiGLU ``silu(gate) * up``, a Linear's ``pre_quant_scale`` ``x * prescale`` (one
+bf16 multiply), the residual ``x + other * gate[m]`` (torch's
 addcmul), the global scale ``bf16(amax|h| / 2688)`` and the pack comfy-kitchen's ``quantize_nvfp4`` (on the CPU its
 eager backend, which stock ComfyUI runs there too). It is written from those definitions, not from ComfyUI's code:
 the tests compare it with ComfyUI's real block. It materializes what the kernels fuse, so it saves nothing.
@@ -35,10 +36,12 @@ def rms_norm(x: torch.Tensor, norm: RmsNorm) -> torch.Tensor:
 
 
 def source_output(x: torch.Tensor, *, swiglu_source: bool = False, modulation: Modulation | None = None,
-                  norm: RmsNorm | None = None) -> torch.Tensor:
+                  norm: RmsNorm | None = None, prescale: torch.Tensor | None = None) -> torch.Tensor:
     """The activation the pack quantizes."""
     if swiglu_source:
         return swiglu(x)
+    if prescale is not None:
+        return x * prescale  # bf16 * bf16: torch's fp32 product, one rounding to bf16
     h = rms_norm(x, norm) if norm is not None else x
     return modulate(h, modulation) if modulation is not None else h
 
@@ -53,14 +56,19 @@ def rms_norm_support(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
-def pack_support(x, *, swiglu=False, modulation=None, norm=None) -> str | None:
+def pack_support(x, *, swiglu=False, modulation=None, norm=None, prescale=None) -> str | None:
     if x.dtype != torch.bfloat16:
         return f"the activation is {x.dtype}, the fused pack takes bfloat16"
     if x.dim() != 2:
         return f"the activation must be 2-D, got {x.dim()}-D"
+    if prescale is not None and (swiglu or modulation is not None or norm is not None):
+        return "a pre_quant_scale source reads plain rows (no SwiGLU, RMSNorm or modulation with it)"
     k = x.shape[1] // 2 if swiglu else x.shape[1]
     if k % 16:
         return f"the feature width {k} is not a multiple of 16"
+    if prescale is not None and (prescale.dtype != torch.bfloat16 or prescale.shape != (k,)
+                                 or prescale.device != x.device):
+        return f"the pre_quant_scale table must be a bf16 [{k}] tensor on {x.device}"
     return None
 
 
@@ -71,8 +79,12 @@ def residual_support(x, other, gate, *, next_norm=None) -> str | None:
 
 
 def pack_nvfp4(x, *, static_scale=None, global_scale=None, weight_scale_2=None, swiglu=False, modulation=None,
-               norm=None, out=None) -> PackedActivation:
-    h = source_output(x, swiglu_source=swiglu, modulation=modulation, norm=norm)
+               norm=None, prescale=None, out=None) -> PackedActivation:
+    if prescale is not None:  # the kernels refuse a prescale table they cannot read: so does the twin
+        reason = pack_support(x, swiglu=swiglu, modulation=modulation, norm=norm, prescale=prescale)
+        if reason is not None:
+            raise ValueError(reason)
+    h = source_output(x, swiglu_source=swiglu, modulation=modulation, norm=norm, prescale=prescale)
     if static_scale is not None:
         g = static_scale.to(torch.float32).reshape(1)
     elif global_scale is not None:

@@ -364,3 +364,93 @@ def test_unsupported_norm_inputs_are_refused_with_a_reason():
     wide = random_activation(8, 5376 + 16)
     assert "aligned" in ops.rms_norm_support(wide[:, 4:4 + 5376], torch.ones(5376, device="cuda",
                                                                               dtype=torch.bfloat16))
+
+
+# ---- a Linear's pre_quant_scale (AWQ smoothing) folded into the pack -----------------------------------------
+
+def _comfy_prescaled(x, table):
+    """ComfyUI's NVFP4 Linear's first step (comfy/ops.py): the input times the table cast to the input dtype."""
+    import comfy.model_management
+
+    return x * comfy.model_management.cast_to_device(table, x.device, x.dtype)
+
+
+def _prescale(table):
+    import comfy.model_management
+
+    return comfy.model_management.cast_to_device(table, torch.device("cuda"), torch.bfloat16).contiguous()
+
+
+@pytest.mark.parametrize("rows,cols,static", [(H3_ROWS, 5376, None), (1001, 4096, None), (1001, 4096, 0.02),
+                                              (129, 5392, None), (17, 16, None), (301, 14336, 3.0e-3)])
+def test_prescale_pack_matches_comfyui(rows, cols, static):
+    seed = fresh_seed()
+    x = random_activation(rows, cols)
+    table = torch.exp(torch.randn(cols, device="cuda") * 0.8)  # fp32, as ModelOpt stores it
+    scale = None if static is None else torch.tensor([static], dtype=torch.float32, device="cuda")
+    fused = fused_pack(x, prescale=_prescale(table), static_scale=scale)
+    assert_same_pack(fused, *comfy_pack(_comfy_prescaled(x, table), scale), f"prescale [{rows}, {cols}] seed {seed}")
+
+
+@pytest.mark.parametrize("case", ["probe_table", "probe_inputs", "every_bf16_table", "subnormal_products",
+                                  "strided", "bf16_table", "with_alpha"])
+def test_prescale_pack_hard_cases(case):
+    """The self-check's hard table (zeros, -0.0, negatives, overflow to inf and underflow in the bf16 cast), its hard
+    inputs (NaN, +-Inf, ties, subnormals), every bf16 bit pattern as a table entry, products that land in the bf16
+    subnormals, a strided view, a table stored in bf16, and the GEMM alpha the pack writes."""
+    from h3_fused_nvfp4.core import probes
+
+    seed = fresh_seed()
+    scales = [None]
+    if case == "probe_table":
+        x = random_activation(300, 1056)
+        table = probes.prescale_table(1056).cuda()
+        scales.append(torch.tensor([1.0], device="cuda"))
+    elif case == "probe_inputs":
+        x, _ = probes.probe_activations("cuda")["hard cases with NaN/inf, dynamic scale"]
+        table = probes.prescale_table(x.shape[1]).cuda()
+        scales.append(torch.tensor([1.0], device="cuda"))
+    elif case == "every_bf16_table":
+        table = torch.arange(65536, dtype=torch.int32, device="cuda").to(torch.int16).view(torch.bfloat16)
+        x = random_activation(64, 65536)
+        scales.append(torch.tensor([0.75], device="cuda"))
+    elif case == "subnormal_products":  # |x| ~ 2^-66 times 2^-55..-75: products across 2^-126 down past 2^-133,
+        x = (torch.randn(257, 2048, device="cuda") * 1e-20).to(torch.bfloat16)  # rounded in the bf16 subnormals
+        exponents = torch.randint(55, 76, (2048,), device="cuda").float()
+        table = torch.exp2(-exponents) * (1 + torch.rand(2048, device="cuda"))
+        scales.append(torch.tensor([1e-38], device="cuda"))
+    elif case == "strided":
+        wide = random_activation(3001, 3 * 2048)
+        x = wide[:, 2048:4096]
+        table = torch.exp(torch.randn(2048, device="cuda"))
+    elif case == "bf16_table":
+        x = random_activation(999, 2048)
+        table = torch.exp(torch.randn(2048, device="cuda")).to(torch.bfloat16)
+    else:  # with_alpha
+        x = random_activation(999, 2048)
+        table = torch.exp(torch.randn(2048, device="cuda"))
+    h = _comfy_prescaled(x, table)
+    for scale in scales:
+        label = f"prescale {case} static {None if scale is None else float(scale)} seed {seed}"
+        if case == "with_alpha":
+            w2 = torch.tensor([3.1e-4], dtype=torch.float32, device="cuda")
+            fused = fused_pack(x, prescale=_prescale(table), weight_scale_2=w2)
+            g = comfy_pack(h)[2].reshape(1).to(torch.float32)
+            assert torch.equal(fused.alpha.view(torch.int32), (g * w2).reshape(1).view(torch.int32)), label
+        else:
+            fused = fused_pack(x, prescale=_prescale(table), static_scale=scale)
+        assert_same_pack(fused, *comfy_pack(h, scale), label)
+
+
+def test_prescale_inputs_are_checked():
+    ops = _ops()
+    x = random_activation(8, 256)
+    good = torch.ones(256, dtype=torch.bfloat16, device="cuda")
+    assert ops.pack_support(x, prescale=good) is None
+    assert "bf16 [256]" in ops.pack_support(x, prescale=good.float())
+    assert "bf16 [256]" in ops.pack_support(x, prescale=good[:128])
+    assert "bf16 [256]" in ops.pack_support(x, prescale=torch.ones(264, dtype=torch.bfloat16, device="cuda")[4:260])
+    assert "bf16 [256]" in ops.pack_support(x, prescale=good.cpu())
+    assert "pre_quant_scale" in ops.pack_support(random_activation(8, 512), swiglu=True, prescale=good)
+    with pytest.raises(ValueError):
+        ops.pack_nvfp4(x, prescale=good[:128])

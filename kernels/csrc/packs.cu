@@ -6,6 +6,7 @@
 //   ModulateSource       h = bf16(bf16(x * bf16(1 + scale[m])) + shift[m])   (adaLN modulation of a norm output)
 //   NormModulateSource   the same on n = bf16(w * (rstd[row] * x))           (RMSNorm folded in: qkv_proj, fc1)
 //   SwigluSource         h = bf16(bf16(silu(gate)) * up)                     (fc1 output -> fc2 input)
+//   PrescaleSource       h = bf16(x * p[c])                                  (AWQ pre_quant_scale of a Linear)
 // with m = mod_index[row] the adaLN modulation row of the token. Each bf16() is one round-to-nearest-even,
 // exactly where PyTorch rounds in ComfyUI's stock ops (rms_norm, mul_, add_, silu, mul_), and the fp32 arithmetic
 // between them is IEEE (this file is compiled without fast math; _rn intrinsics prevent contraction). The rstd of
@@ -60,7 +61,10 @@ struct SourceParams {
     const i32* mod_index;  // modulation row of each token
     const u16* silu_table; // SwiGLU with a table: bf16 silu(x) for each of the 65536 bf16 bit patterns x (or its window)
     const float* rstd;     // folded RMSNorm: per-row rstd (h3_row_norm_*), and its bf16 weight [K]
-    const u16* norm_weight;
+    union {                // one per-column bf16 table [K]: the two sources that read one never meet
+        const u16* norm_weight;
+        const u16* prescale;  // PrescaleSource: the layer's pre_quant_scale cast to bf16
+    };
 };
 
 struct PackParams {
@@ -137,6 +141,24 @@ struct NormModulateSource {
         const u32 ss[4] = {s.x, s.y, s.z, s.w}, ts[4] = {t.x, t.y, t.z, t.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) w[i] = modulate_x2(rms_norm_x2(xs[i], ws[i], r), ss[i], ts[i]);
+    }
+};
+
+// ComfyUI's NVFP4 Linear with a pre_quant_scale (AWQ smoothing): input * pre_quant_scale cast to the input dtype,
+// one bf16 multiply (torch's fp32 opmath product of two bf16 values, exact, then one rounding: bf16x2_mul) per value.
+// The rows stream once; the [K] table is re-read by every row and stays in L1 / L2.
+struct PrescaleSource {
+    static constexpr bool kScaleEvictLast = false;
+    static constexpr bool kPairedRows = true;
+    static constexpr u32 kSegmentSteps = 0;  // whole row pairs (not tuned: the text encoder's Linears)
+    using Row = PlainSource::Row;
+    static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return PlainSource::row(p, r); }
+    static __device__ __forceinline__ void load(const SourceParams& p, const Row& r, i64 col, u32 w[4]) {
+        u32x4 x = load_16B_stream(r.x + col);
+        u32x4 s = load_16B(p.prescale + col);
+        const u32 xs[4] = {x.x, x.y, x.z, x.w}, ss[4] = {s.x, s.y, s.z, s.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = bf16x2_mul(xs[i], ss[i]);
     }
 };
 
@@ -400,6 +422,8 @@ extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_swiglu
 extern "C" __global__ void __launch_bounds__(PACK_THREADS, PLAIN_MIN_CTAS) nvfp4_pack_plain(const PackParams p) { pack_body<PlainSource, PLAIN_ITEMS>(p); }
 extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_pack_modulate(const PackParams p) { pack_body<ModulateSource, 1>(p); }
 extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_pack_norm_modulate(const PackParams p) { pack_body<NormModulateSource, 1>(p); }
+extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_prescale(const AbsmaxParams p) { absmax_body<PrescaleSource, 1>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_pack_prescale(const PackParams p) { pack_body<PrescaleSource, 1>(p); }
 // One CTA per SM (the table takes 128 KB of shared memory); kernels/cuda_ops.py launches it where that fits.
 // The silu table (or its window) into shared memory with every 16-byte copy in flight at once (cp.async), then one
 // wait: a load-then-store loop waits for L2 once per iteration (8 times per thread for the 128 KB table).

@@ -1,0 +1,175 @@
+"""NVFP4 Linears with a ``pre_quant_scale`` (AWQ smoothing; H3's NVFP4 text encoder has them): ComfyUI's Linear
+multiplies its input by the table cast to the input dtype, then quantizes. The fused Linear folds that multiply into
+the pack (the prescale source). Against ComfyUI's real NVFP4 Linear loaded from a state dict with a
+``pre_quant_scale`` entry (on the CPU through the kernels' Python twin, on a GPU through the kernels): equal output
+bytes, every call fused; the twin's pack against ComfyUI's own op sequence on the self-check's hard tables; refusals
+with a reason. (The kernels' pack parity: tests/test_gpu_pack_parity.py.)"""
+
+import logging
+
+import pytest
+import torch
+from conftest import cuda_available
+from parity import assert_bit_identical, fresh_seed
+
+from h3_fused_nvfp4 import comfy_adapter
+from h3_fused_nvfp4.core import probes
+from h3_fused_nvfp4.core.linear import FusedNVFP4Linear
+from h3_fused_nvfp4.kernels import twin_ops
+from h3_fused_nvfp4.tools import synthetic as syn
+
+pytestmark = pytest.mark.usefixtures("comfyui")
+
+
+def awq_table(k: int, dtype=torch.float32) -> torch.Tensor:
+    """AWQ-like smoothing factors (positive, around 1, some large and small), as ModelOpt stores them."""
+    return torch.exp(torch.randn(k) * 0.8).to(dtype)
+
+
+def comfy_layer(in_f, out_f, table, *, seed=0, static=None, bias=False):
+    layer = syn.make_nvfp4_linear(in_f, out_f, seed=seed, input_scale=static, bias=bias, pre_quant_scale=table)
+    assert isinstance(layer.pre_quant_scale, torch.nn.Parameter) and layer.pre_quant_scale.dtype == table.dtype
+    return layer
+
+
+GPU = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU (CPU-only machines skip the GPU tests)")
+SHAPES = [("cpu", 256, 768, 310, None, False), ("cpu", 512, 256, 47, 0.02, True), ("cpu", 1056, 128, 129, None, True),
+          pytest.param("cuda", 4096, 4096, 1001, None, False, marks=GPU),
+          pytest.param("cuda", 4096, 14336, 517, 0.02, True, marks=GPU)]
+
+
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("device,in_f,out_f,rows,static,bias", SHAPES)
+def test_fused_linear_with_pre_quant_scale_bit_identical(device, in_f, out_f, rows, static, bias, table_dtype):
+    seed = fresh_seed()
+    layer = syn.make_nvfp4_linear(in_f, out_f, seed=seed, input_scale=static, bias=bias, device=device,
+                                  pre_quant_scale=awq_table(in_f, table_dtype))
+    assert isinstance(layer.pre_quant_scale, torch.nn.Parameter) and layer.pre_quant_scale.dtype == table_dtype
+    x = (torch.randn(rows, in_f, device=device) * 2).to(torch.bfloat16)
+    fused = FusedNVFP4Linear(layer, "awq layer")
+    assert fused.static_refusal() is None
+    with torch.inference_mode():
+        layer(x)  # warm both arms (the first emulated call of a process differs on the H200)
+        fused(x)
+        stock, out = layer(x), fused(x)
+        stock3, out3 = layer(x[None]), fused(x[None])
+    assert fused.calls_fused == 3 and fused.calls_stock == 0
+    assert out.shape == stock.shape == (rows, out_f) and out3.shape == stock3.shape == (1, rows, out_f)
+    assert_bit_identical(out, stock, f"2-D seed {seed}")
+    assert_bit_identical(out3, stock3, f"3-D seed {seed}")
+
+
+def test_the_prescale_table_changes_the_output():
+    """The parity above is not vacuous: the same layer without its table gives other bytes."""
+    layer = comfy_layer(256, 128, awq_table(256) * 3)
+    x = (torch.randn(64, 256) * 2).to(torch.bfloat16)
+    fused = FusedNVFP4Linear(layer, "awq layer")
+    with torch.inference_mode():
+        out = fused(x)
+        del layer.pre_quant_scale
+        plain = fused(x)
+    assert fused.calls_fused == 2
+    assert not torch.equal(out.view(torch.int16), plain.view(torch.int16))
+
+
+def test_hard_tables_through_the_linear():
+    """The self-check's hard table (zeros, -0.0, negatives, values overflowing to inf or underflowing in the bf16
+    cast, subnormals) in a real layer, with finite and non-finite inputs: equal bytes to ComfyUI's Linear."""
+    k = 1056
+    table = probes.prescale_table(k)
+    layer = comfy_layer(k, 64, table, seed=3)
+    x, _ = probes.probe_activations("cpu", k=k)["random rows, dynamic scale"]
+    finite = torch.nan_to_num(table, posinf=2.0, neginf=-2.0).clamp(-1e4, 1e4)
+    fused = FusedNVFP4Linear(layer, "awq layer")
+    with torch.inference_mode():
+        for t in (table, finite):
+            layer.pre_quant_scale = torch.nn.Parameter(t, requires_grad=False)
+            assert_bit_identical(fused(x), layer(x), "hard table")
+    assert fused.calls_fused == 2
+
+
+def test_prescale_cast_is_cached_per_table_and_device():
+    layer = comfy_layer(256, 64, awq_table(256))
+    fused = FusedNVFP4Linear(layer, "awq layer")
+    first = fused.prescale(torch.device("cpu"), torch.bfloat16)
+    assert first.dtype == torch.bfloat16 and first.shape == (256,) and first.data_ptr() % 16 == 0
+    expected = comfy_adapter.cast_to_device(layer.pre_quant_scale, torch.device("cpu"), torch.bfloat16)
+    assert torch.equal(first.view(torch.int16), expected.view(torch.int16))
+    assert fused.prescale(torch.device("cpu"), torch.bfloat16) is first  # no per-call cast
+    with torch.no_grad():
+        layer.pre_quant_scale.mul_(2)  # an in-place update of the table: cast again
+    again = fused.prescale(torch.device("cpu"), torch.bfloat16)
+    assert again is not first and torch.equal(again.float(), (layer.pre_quant_scale * 1).to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("label", list(probes.prescale_activations("cpu")))
+def test_twin_prescale_pack_equals_comfyui_sequence(label):
+    """The twin's prescale pack against ComfyUI's Linear's multiply (``input * cast_to_device(pqs, ...)``) and
+    ``QuantizedTensor.from_float``: codes, block scales and global scale."""
+    x, table, scale = probes.prescale_activations("cpu")[label]
+    prescale = comfy_adapter.cast_to_device(table, torch.device("cpu"), torch.bfloat16)
+    packed = twin_ops.pack_nvfp4(x, static_scale=probes.static_scale(scale, "cpu"), prescale=prescale)
+    h = x * comfy_adapter.cast_to_device(table, x.device, x.dtype)  # comfy/ops.py, MixedPrecisionOps.Linear.forward
+    assert probes.compare_packed(label, packed, probes.comfy_quantized(h, scale)) is None
+
+
+def test_prescale_probe_passes_and_catches_a_wrong_multiply(monkeypatch):
+    assert probes.check_pack_prescale(twin_ops, "cpu") is None
+    real = twin_ops.source_output
+
+    def rounded_twice(x, *, prescale=None, **kwargs):  # planted fault: the product through fp16 first
+        if prescale is not None:
+            return (x.float() * prescale.float()).to(torch.float16).to(torch.bfloat16)
+        return real(x, **kwargs)
+
+    monkeypatch.setattr(twin_ops, "source_output", rounded_twice)
+    detail = probes.check_pack_prescale(twin_ops, "cpu")
+    assert detail is not None and "differs at index" in detail, detail
+
+
+def test_prescale_with_another_source_is_refused_with_a_reason(caplog):
+    """The pack reads one source: a prescaled layer fed through SwiGLU (or a modulated / normalized source) runs
+    ComfyUI's ops, which apply the table themselves."""
+    k = 256
+    layer = comfy_layer(k, 64, awq_table(k))
+    fused = FusedNVFP4Linear(layer, "awq fc2")
+    y = (torch.randn(40, 2 * k) * 2).to(torch.bfloat16)
+    stock_input = comfy_adapter.eager_swiglu(y)
+    caplog.set_level(logging.INFO, logger="h3_fused_nvfp4")
+    with torch.inference_mode():
+        out = fused(y, swiglu=True, stock=lambda: comfy_adapter.eager_swiglu(y))
+        assert_bit_identical(out, layer(stock_input), "stock fallback")
+    assert fused.calls_fused == 0 and fused.calls_stock == 1
+    assert any("pre_quant_scale" in r.getMessage() for r in caplog.records)
+    assert "pre_quant_scale" in twin_ops.pack_support(y[:, :k], swiglu=True, prescale=torch.ones(k // 2))
+
+
+def test_malformed_tables_are_refused():
+    layer = comfy_layer(256, 64, awq_table(256))
+    layer.pre_quant_scale = torch.nn.Parameter(torch.ones(1, 256), requires_grad=False)
+    assert "pre_quant_scale" in FusedNVFP4Linear(layer, "awq").static_refusal()
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    assert "bf16 [256]" in twin_ops.pack_support(x, prescale=torch.ones(256))
+    with pytest.raises(ValueError):
+        twin_ops.pack_nvfp4(x, prescale=torch.ones(128, dtype=torch.bfloat16))
+
+
+def test_calibration_records_the_prescaled_input():
+    """A static ``input_scale`` applies to what ComfyUI quantizes: the input times the table."""
+    layer = comfy_layer(256, 64, awq_table(256))
+    fused = FusedNVFP4Linear(layer, "awq layer")
+    seen = []
+
+    class Recorder:
+        def active(self):
+            return True
+
+        def record(self, name, h):
+            seen.append(h)
+
+    fused.recorder = Recorder()
+    x = (torch.randn(8, 256) * 2).to(torch.bfloat16)
+    with torch.inference_mode():
+        fused(x)
+    expected = x * comfy_adapter.cast_to_device(layer.pre_quant_scale, x.device, x.dtype)
+    assert len(seen) == 1 and torch.equal(seen[0].view(torch.int16), expected.view(torch.int16))
