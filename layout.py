@@ -22,6 +22,14 @@ BLOCK = 16  # elements per NVFP4 block (one e4m3 scale each)
 NVFP4_LAYOUT = "TensorCoreNVFP4Layout"  # ComfyUI's / comfy-kitchen's name of the NVFP4 QuantizedTensor layout
 
 
+def tensor_version(t: torch.Tensor):
+    """``t._version``, or None for inference tensors (which track no version; ComfyUI samples in inference mode)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def roundup(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 

@@ -22,7 +22,7 @@ import weakref
 import torch
 
 from ..layout import GLOBAL_SCALE_DIVISOR
-from .linear import FusedNVFP4Linear
+from .linear import FusedNVFP4Linear, quantized_input
 
 STATE_KEY = "h3_fused_nvfp4_calibration"  # transformer_options entry: the recorder id of a calibrating clone
 # (an id, not the object: ComfyUI may deep-copy model options)
@@ -125,7 +125,7 @@ class RecordingForward:
         self.stock_forward = inner if inner is not None else type(layer).forward.__get__(layer)
 
     def __call__(self, x, *args, **kwargs):
-        self.recorder.record(self.name, x)
+        self.recorder.record(self.name, quantized_input(self.layer, x))
         return self.stock_forward(x, *args, **kwargs)
 
 

@@ -29,7 +29,7 @@ import torch
 from .. import comfy_adapter
 from ..comfy_adapter import allocation_context, layer_weights
 from ..kernels.backend import KernelBuildError
-from ..layout import NVFP4_LAYOUT, PackedActivation
+from ..layout import NVFP4_LAYOUT, PackedActivation, tensor_version
 from .fallbacks import note_fallback
 from .plan import ForwardPlan, plan_for
 
@@ -70,6 +70,13 @@ def nvfp4_gemm(packed: PackedActivation, weight, bias: torch.Tensor | None, out_
     activation = comfy_adapter.dequantize_nvfp4(packed.qdata, packed.global_scale, packed.block_scales, out_dtype)
     activation = activation[: packed.rows, : packed.cols]
     return torch.nn.functional.linear(activation, weight.dequantize(), bias)
+
+
+def quantized_input(layer, x: torch.Tensor) -> torch.Tensor:
+    """What ComfyUI's NVFP4 Linear quantizes for input ``x``: ``x`` itself, or with a ``pre_quant_scale`` the input
+    times the table cast to its dtype (calibration records the amax of this)."""
+    pqs = getattr(layer, "pre_quant_scale", None)
+    return x if pqs is None else x * comfy_adapter.cast_to_device(pqs, x.device, x.dtype)
 
 
 # ---- the per-layer replacement forward ---------------------------------------------------------------------
@@ -151,7 +158,7 @@ class FusedNVFP4Linear(PackPatch):
         pqs = getattr(self.layer, "pre_quant_scale", None)
         if pqs is None:
             return None
-        key = (pqs.data_ptr(), pqs._version, pqs.dtype, str(device), dtype)
+        key = (pqs.data_ptr(), tensor_version(pqs), pqs.dtype, str(device), dtype)
         table = self._prescale.get(key)
         if table is None:
             with allocation_context():
@@ -224,11 +231,7 @@ class FusedNVFP4Linear(PackPatch):
         return out.reshape(out_shape) if x.dim() >= 3 else out
 
     def _record(self, h: torch.Tensor) -> None:
-        """Calibration records what ComfyUI quantizes: with a ``pre_quant_scale`` the input times the table."""
-        pqs = getattr(self.layer, "pre_quant_scale", None)
-        if pqs is not None:
-            h = h * comfy_adapter.cast_to_device(pqs, h.device, h.dtype)
-        self.recorder.record(self.name, h)
+        self.recorder.record(self.name, quantized_input(self.layer, h))
 
     def _stock(self, reason: str, x: torch.Tensor, stock):
         note_fallback(self.name, reason)

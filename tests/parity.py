@@ -128,3 +128,19 @@ def within(seconds: float, fn):
     if error:
         raise error[0]
     return result[0]
+
+
+def assert_fused_linear_matches_stock(layer, fused, x: torch.Tensor, label: str) -> None:
+    """``fused`` (a FusedNVFP4Linear over ``layer``) against ComfyUI's own forward of ``layer``, 2-D and 3-D input:
+    same bytes, every fused call taken. Both arms warm first (the first emulated call of a process differs on the
+    H200)."""
+    rows, out_f = x.shape[0], layer.out_features
+    with torch.inference_mode():
+        layer(x)
+        fused(x)
+        stock, out = layer(x), fused(x)
+        stock3, out3 = layer(x[None]), fused(x[None])
+    assert fused.calls_fused == 3 and fused.calls_stock == 0
+    assert out.shape == stock.shape == (rows, out_f) and out3.shape == stock3.shape == (1, rows, out_f)
+    assert_bit_identical(out, stock, f"2-D {label}")
+    assert_bit_identical(out3, stock3, f"3-D {label}")

@@ -10,10 +10,11 @@ import logging
 import pytest
 import torch
 from conftest import cuda_available
-from parity import assert_bit_identical, fresh_seed
+from parity import assert_bit_identical, assert_fused_linear_matches_stock, fresh_seed
 
 from h3_fused_nvfp4 import comfy_adapter
 from h3_fused_nvfp4.core import probes
+from h3_fused_nvfp4.core.calibration import RecordingForward
 from h3_fused_nvfp4.core.linear import FusedNVFP4Linear
 from h3_fused_nvfp4.kernels import twin_ops
 from h3_fused_nvfp4.tools import synthetic as syn
@@ -48,15 +49,7 @@ def test_fused_linear_with_pre_quant_scale_bit_identical(device, in_f, out_f, ro
     x = (torch.randn(rows, in_f, device=device) * 2).to(torch.bfloat16)
     fused = FusedNVFP4Linear(layer, "awq layer")
     assert fused.static_refusal() is None
-    with torch.inference_mode():
-        layer(x)  # warm both arms (the first emulated call of a process differs on the H200)
-        fused(x)
-        stock, out = layer(x), fused(x)
-        stock3, out3 = layer(x[None]), fused(x[None])
-    assert fused.calls_fused == 3 and fused.calls_stock == 0
-    assert out.shape == stock.shape == (rows, out_f) and out3.shape == stock3.shape == (1, rows, out_f)
-    assert_bit_identical(out, stock, f"2-D seed {seed}")
-    assert_bit_identical(out3, stock3, f"3-D seed {seed}")
+    assert_fused_linear_matches_stock(layer, fused, x, f"seed {seed}")
 
 
 def test_the_prescale_table_changes_the_output():
@@ -155,7 +148,7 @@ def test_malformed_tables_are_refused():
 
 
 def test_calibration_records_the_prescaled_input():
-    """A static ``input_scale`` applies to what ComfyUI quantizes: the input times the table."""
+    """A static ``input_scale`` applies to what ComfyUI quantizes: the input times the table, on both paths."""
     layer = comfy_layer(256, 64, awq_table(256))
     fused = FusedNVFP4Linear(layer, "awq layer")
     seen = []
@@ -173,3 +166,7 @@ def test_calibration_records_the_prescaled_input():
         fused(x)
     expected = x * comfy_adapter.cast_to_device(layer.pre_quant_scale, x.device, x.dtype)
     assert len(seen) == 1 and torch.equal(seen[0].view(torch.int16), expected.view(torch.int16))
+    # ComfyUI's own path records the same (the Calibrate node on a stock model)
+    with torch.inference_mode():
+        RecordingForward(layer, "awq layer", Recorder())(x)
+    assert len(seen) == 2 and torch.equal(seen[1].view(torch.int16), expected.view(torch.int16))

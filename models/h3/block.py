@@ -42,10 +42,10 @@ from ...core.fallbacks import note_fallback
 from ...core.linear import FusedNVFP4Linear, PackPatch
 from ...core.plan import ForwardPlan, plan_for
 from ...kernels.backend import KernelBuildError
-from ...layout import Modulation, RmsNorm
+from ...layout import Modulation, RmsNorm, tensor_version
 from .attention import FusedAttention
 from .mlp import FusedSwigluMLP
-from .modulation import ModulationIndexCache, bf16_table, tensor_version
+from .modulation import ModulationIndexCache, bf16_table
 from .probes import BlockVerdict, check_block, record_block_verdict
 from .sources import LinearSource
 

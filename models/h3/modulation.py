@@ -8,6 +8,8 @@ import threading
 
 import torch
 
+from ...layout import tensor_version
+
 
 def modulation_index(segments, rows: int) -> torch.Tensor:
     """int32 [rows] modulation row of every token (CPU tensor; per-token row tensors are filled in later)."""
@@ -59,14 +61,6 @@ class ModulationIndexCache:
                 # part of the key) alive with the index.
                 self._key, self._value = key, (index, host, [r for _, _, r in segments if isinstance(r, torch.Tensor)])
             return self._value[0]
-
-
-def tensor_version(t: torch.Tensor):
-    """``t._version``, or None for inference tensors (which track no version; ComfyUI samples in inference mode)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
 
 
 def bf16_table(table: torch.Tensor) -> torch.Tensor:
