@@ -30,6 +30,12 @@ def tensor_version(t: torch.Tensor):
         return None
 
 
+def rows_readable_in_place(t: torch.Tensor) -> bool:
+    """The kernels read an activation's rows in place: unit column stride, rows starting on 16-byte boundaries."""
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and (t.dim() < 2 or t.stride(0) * t.element_size() % 16 == 0))
+
+
 def roundup(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 

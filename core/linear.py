@@ -14,6 +14,11 @@ A layer with a ``pre_quant_scale`` (AWQ smoothing: ComfyUI multiplies the input 
 quantizing) packs through the prescale source: the reduction and the pack read ``x * pre_quant_scale`` without
 writing it. The bf16 cast of the table is made once per device, with ComfyUI's own cast.
 
+Inputs as ComfyUI takes them: 2-D rows, N-D inputs reshaped to rows (a view where ComfyUI's reshape is one, read
+in place when the rows are 16-byte aligned with unit column stride; other layouts, which ComfyUI's CUDA packer
+refuses, are packed from a contiguous copy of the same values) and the output reshaped back. A 1-D input (ComfyUI
+runs it unquantized) and an empty one stay on ComfyUI's path.
+
 On compute capability < 10 there is no NVFP4 GEMM; ComfyUI itself then keeps these layers in full precision
 (``_full_precision_mm``) and so does this path. When NVFP4 compute is forced on such a GPU (tests, benchmarks),
 the GEMM is *emulated* exactly as comfy-kitchen's dispatch does after the FP4 GEMM fails: dequantize both
@@ -29,7 +34,7 @@ import torch
 from .. import comfy_adapter
 from ..comfy_adapter import allocation_context, layer_weights
 from ..kernels.backend import KernelBuildError
-from ..layout import NVFP4_LAYOUT, PackedActivation, tensor_version
+from ..layout import NVFP4_LAYOUT, PackedActivation, rows_readable_in_place, tensor_version
 from .fallbacks import note_fallback
 from .plan import ForwardPlan, plan_for
 
@@ -127,6 +132,10 @@ class FusedNVFP4Linear(PackPatch):
         """Why the fused path cannot take this call (None: it can)."""
         if torch.compiler.is_compiling():
             return "inside torch.compile (stock path is traced instead)"
+        if x.dim() < 2:  # ComfyUI quantizes 2-D inputs and reshapes N-D ones; a 1-D input it runs unquantized
+            return "a 1-D input: ComfyUI runs it unquantized"
+        if x.numel() == 0:
+            return "an empty input (no rows): ComfyUI's own path handles it"
         if x.dtype != torch.bfloat16:
             return f"the activation is {x.dtype}, not bfloat16"
         if x.requires_grad and torch.is_grad_enabled():
@@ -184,7 +193,13 @@ class FusedNVFP4Linear(PackPatch):
         modulation = source.modulation if source is not None else None
         norm = source.norm if source is not None else None
         reason = self.refusal(x, x.shape[-1] // 2 if swiglu else x.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        x2 = x.reshape(-1, x.shape[-1]) if x.dim() > 2 else x  # ComfyUI's reshape: a view where it can be one
+        if reason is None and source is None and not swiglu and not rows_readable_in_place(x2):
+            # Rows the kernels cannot read in place (a column stride, a misaligned view): ComfyUI's CUDA packer
+            # refuses them too (it asserts contiguity); pack the values from a contiguous copy, the bytes any
+            # ComfyUI quantizer gives for them.
+            with allocation_context():
+                x2 = x2.clone(memory_format=torch.contiguous_format)
         prescale = None
         if reason is None and getattr(self.layer, "pre_quant_scale", None) is not None:
             if swiglu or source is not None:  # the pack reads one source: ComfyUI's ops build this input
