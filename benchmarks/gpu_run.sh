@@ -4,7 +4,7 @@
 #   STEPS="tests report"  bash benchmarks/gpu_run.sh
 #
 # Steps (run in the order given; each has its own time limit STEP_TIMEOUT seconds):
-#   tests          the GPU tests (tests/test_gpu_*.py and the GPU half of tests/test_linear.py), ComfyUI's real code
+#   tests          the GPU tests (tests/test_gpu_*.py and the GPU half of tests/test_linear*.py), ComfyUI's real code
 #   emulated       the same with H3_FUSED_NVFP4_EMULATE_BLACKWELL=1 (the Blackwell code path, its instructions
 #                  modelled in software: runs on Hopper)
 #   report         python report.py --dram (dynamic scales)         -> report.json
@@ -44,7 +44,7 @@ summary=()
 for step in ${STEPS:-tests report}; do
   start=$SECONDS
   case "$step" in
-    tests) timeout "$STEP_TIMEOUT" python3 -m pytest tests/test_gpu_*.py tests/test_linear.py -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} \
+    tests) timeout "$STEP_TIMEOUT" python3 -m pytest tests/test_gpu_*.py tests/test_linear*.py -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} \
              > "$OUT/tests.log" 2>&1; rc=$?; tail -3 "$OUT/tests.log" ;;
     emulated) H3_FUSED_NVFP4_EMULATE_BLACKWELL=1 H3_FUSED_NVFP4_CACHE=/tmp/h3_emulated_cache timeout "$STEP_TIMEOUT" \
              python3 -m pytest tests/test_gpu_pack_parity.py tests/test_gpu_block.py tests/test_gpu_selfcheck.py \
