@@ -49,6 +49,18 @@ def is_nvfp4_linear(module) -> bool:
     return weight is not None and is_nvfp4_weight(weight) and hasattr(module, "in_features")
 
 
+def full_precision_cause(layer) -> str:
+    """Why ComfyUI runs an NVFP4 Linear in full precision (its weight dequantized, its input never quantized), in
+    the order ComfyUI's loader sets the flag: the checkpoint asks for it, the device has no NVFP4 compute, or the
+    model's ops were built that way (ComfyUI builds every text encoder's quantized Linears so)."""
+    if getattr(layer, "_full_precision_mm_config", False):
+        return "the checkpoint marks it full_precision_matrix_mult"
+    if getattr(layer, "quant_format", None) in getattr(layer, "_disabled_formats", ()):
+        return "no NVFP4 compute on this device"
+    return ("the model's ops run quantized Linears in full precision, as ComfyUI builds text encoders: weights "
+            "dequantized, inputs never quantized")
+
+
 def gemm_mode(device: torch.device) -> str:
     """``"nvfp4"`` (cuBLASLt FP4 GEMM, compute capability >= 10) or ``"emulated"`` (dequantize + bf16 matmul)."""
     if device.type != "cuda":
@@ -116,7 +128,7 @@ class FusedNVFP4Linear(PackPatch):
         """Why no call of this layer can take the fused path as the layer stands (None: calls may)."""
         layer = self.layer
         if getattr(layer, "_full_precision_mm", False):
-            return "ComfyUI keeps this layer in full precision (GPU without NVFP4 compute or checkpoint flag)"
+            return f"ComfyUI keeps this layer in full precision ({full_precision_cause(layer)})"
         if getattr(layer, "comfy_force_cast_weights", False):
             return "ComfyUI forces weight casting for this layer"
         if getattr(layer, "weight_function", None) or getattr(layer, "bias_function", None):
