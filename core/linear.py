@@ -4,15 +4,21 @@
 Per call it decides whether the fused path applies; if not, it runs the layer's own (stock) forward and logs
 the reason once. The fused path is bit-identical to the stock one:
 
-    stock: g = bf16(amax|x| / 2688) -> ck.quantize_nvfp4 -> F.linear(QT, QT) -> ck.scaled_mm_nvfp4 -> [:M, :N]
+    stock: g = dtype(amax|x| / 2688) -> ck.quantize_nvfp4 -> F.linear(QT, QT) -> ck.scaled_mm_nvfp4 -> [:M, :N]
     fused: reduction (g on the device) -> pack (codes, scales, alpha) -> ck.scaled_mm_nvfp4(alpha=...) -> [:M, :N]
+
+Activations in bf16 or fp16 (models that compute in fp16, Wan by default): ComfyUI rounds its global scale and the
+``pre_quant_scale`` product in the activation dtype, and the fp16 kernels do the same; the self-check probes the fp16
+ops separately (``pack_f16``, ``pack_prescale_f16``, ``global_scale_f16``, ``linear_f16``), so a failure there
+turns off only fp16 calls. The fused sources of a model's block (RMSNorm, modulation, SwiGLU) take bf16 only.
 
 The reduction is skipped where the layer has a static ``input_scale`` or the caller already reduced this input
 (``LinearSource.global_scale``: the block's residual kernels do that for the next projection).
 
 A layer with a ``pre_quant_scale`` (AWQ smoothing: ComfyUI multiplies the input by it, cast to the input dtype, before
 quantizing) packs through the prescale source: the reduction and the pack read ``x * pre_quant_scale`` without
-writing it. The bf16 cast of the table is made once per device, with ComfyUI's own cast.
+writing it. The cast of the table to the activation dtype is made once per device and dtype, with ComfyUI's own
+cast.
 
 Inputs as ComfyUI takes them: 2-D rows, N-D inputs reshaped to rows (a view where ComfyUI's reshape is one, read
 in place when the rows are 16-byte aligned with unit column stride; other layouts, which ComfyUI's CUDA packer
@@ -59,6 +65,16 @@ def full_precision_cause(layer) -> str:
         return "no NVFP4 compute on this device"
     return ("the model's ops run quantized Linears in full precision, as ComfyUI builds text encoders: weights "
             "dequantized, inputs never quantized")
+
+
+# Activation dtypes the fused Linear takes, and the suffix of the self-check ops that cover each (core/plan.py OPS).
+FUSED_DTYPES = {torch.bfloat16: "", torch.float16: "_f16"}
+FP16_OPS = ("pack", "pack_prescale", "linear")  # the ops with an fp16 probe of their own
+
+
+def checked_op(op: str, dtype: torch.dtype) -> str:
+    """The self-check op that covers ``op`` for activations of ``dtype`` (``pack`` -> ``pack_f16`` for fp16)."""
+    return op + FUSED_DTYPES[dtype] if op in FP16_OPS else op
 
 
 def gemm_mode(device: torch.device) -> str:
@@ -148,8 +164,8 @@ class FusedNVFP4Linear(PackPatch):
             return "a 1-D input: ComfyUI runs it unquantized"
         if x.numel() == 0:
             return "an empty input (no rows): ComfyUI's own path handles it"
-        if x.dtype != torch.bfloat16:
-            return f"the activation is {x.dtype}, not bfloat16"
+        if x.dtype not in FUSED_DTYPES:
+            return f"the activation is {x.dtype}, not bfloat16 or float16"
         if x.requires_grad and torch.is_grad_enabled():
             return "autograd is recording (training path)"
         reason = self.static_refusal()
@@ -223,7 +239,7 @@ class FusedNVFP4Linear(PackPatch):
             plan = plan if plan is not None else plan_for(x.device)
             op = ("pack_swiglu" if swiglu else "pack_norm" if norm is not None else
                   "pack_modulate" if modulation is not None else "pack_prescale" if prescale is not None else "pack")
-            reason = (plan.refusal(op, "linear")
+            reason = (plan.refusal(checked_op(op, x.dtype), checked_op("linear", x.dtype))
                       or plan.backend.pack_support(x2, swiglu=swiglu, modulation=modulation, norm=norm,
                                                    prescale=prescale))
         if reason is not None:

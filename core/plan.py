@@ -17,8 +17,9 @@ from ..kernels.backend import FusedOps, KernelBuildError, backend_for
 from . import verdicts
 
 # Every op a plan answers for: the kernel ops the self-check probes, the Linear path and a model's block check.
+# The fp16 Linear path has its own ops (``*_f16``: fp16 activations, core/linear.py checked_op).
 OPS = ("global_scale", "pack", "pack_modulate", "pack_norm", "pack_swiglu", "pack_prescale", "gated_residual",
-       "rms_norm", "rms_rope", "linear", "block")
+       "rms_norm", "rms_rope", "linear", "global_scale_f16", "pack_f16", "pack_prescale_f16", "linear_f16", "block")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,10 @@ Each probe runs a fused op on small probe tensors (random rows plus ties, zeros,
 subnormals, rows that are not a multiple of 16 or 128, a strided view) and ComfyUI's own op sequence on the same
 input, and returns None (bit-identical) or where the bytes first differ. Model fusions add their own probe sets
 (models/*/probes.py); core/verdicts.py runs them and keeps the verdicts.
+
+fp16 activations have probes of their own (``*_f16``), with fp16's hard cases: its subnormals, its overflow at 65504
+(in a ``pre_quant_scale`` product, or in the table's cast), and global scales that round up and down in fp16, land in
+its subnormals or on 0 (amax below about 0.16 and 8e-5).
 """
 
 from __future__ import annotations
@@ -98,6 +102,71 @@ def probe_activations(device, k: int = 1056, seed: int = 7) -> dict[str, tuple[t
     }
 
 
+F16 = torch.float16
+# One 16-block per pattern, packed with static scale 1 (and dynamically, in rows of random values): fp16's hard cases.
+F16_PATTERNS = [
+    [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -6.0],
+    [0.0] * 16,
+    [-0.0] * 16,
+    [1e-7] * 8 + [-1e-7] * 8,                            # fp16 subnormals, block scale underflows to 0
+    [2.0 ** -14, -(2.0 ** -24)] * 8,                     # smallest normal and subnormal
+    [3.0 * 2.0 ** -20, -(5.0 * 2.0 ** -22)] * 8,         # subnormals with several significant bits
+    [65504.0, -65504.0] + [1.0] * 14,                    # fp16's largest
+    [float("nan")] + [1.0] * 15,
+    [float("inf"), -1.0] + [0.5] * 14,
+    [float("-inf")] + [0.0] * 15,
+    [0.125 * (i - 8) for i in range(16)],
+]
+
+
+def probe_activations_f16(device, k: int = 528, seed: int = 9) -> dict[str, tuple[torch.Tensor, float | None]]:
+    """Named fp16 probe activations and the static scale each is packed with (None: dynamic): random rows, fp16's
+    hard cases, rows whose dynamic scale is an fp16 subnormal or 0, a strided view (smaller than the bf16 ones:
+    the CPU self-check's time budget)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    random = (torch.randn((65, k), generator=gen) * 2.0).to(F16).to(device)
+    hard = torch.randn((2 * len(F16_PATTERNS) + 1, 512), generator=gen)
+    for r, pattern in enumerate(F16_PATTERNS):
+        hard[r, 16 * r:16 * r + 16] = torch.tensor(pattern)
+        hard[r + len(F16_PATTERNS), 16 * (r + 1):16 * (r + 1) + 16] = torch.tensor(pattern) * 0.5
+    hard = hard.to(F16)
+    finite_hard = torch.nan_to_num(hard.float(), nan=0.0, posinf=5.0, neginf=-5.0).to(F16)
+    small = torch.randn((33, 256), generator=gen)
+    wide = (torch.randn((20, k + 64), generator=gen)).to(F16).to(device)
+    return {
+        "fp16 random rows, dynamic scale": (random, None),
+        "fp16 random rows, static scale": (random, 2.0 / 2688 * 1.5),
+        "fp16 hard cases, static scale 1": (hard.to(device), 1.0),
+        "fp16 hard cases without NaN/inf, dynamic scale": (finite_hard.to(device), None),
+        "fp16 hard cases with NaN/inf, dynamic scale": (hard.to(device), None),
+        "fp16 rows with a subnormal dynamic scale": ((small * 0.02).to(F16).to(device), None),
+        "fp16 rows whose dynamic scale is 0": ((small * 1e-5).to(F16).to(device), None),
+        "fp16 strided view, dynamic scale": (wide[:, 32:32 + k], None),
+    }
+
+
+def scale_rounding_amaxes_f16(count: int = 12) -> list[float]:
+    """fp16 amax values whose ComfyUI scale ``amax * fp32(1/2688)`` rounds to fp16 upward and downward, with the
+    scale an fp16 normal (amax from 1) and subnormal (amax from 0.01), and amaxes whose scale rounds to 0, to the
+    smallest subnormal, and to the smallest normal."""
+    inv = torch.tensor(1.0 / 2688.0, dtype=torch.float32)
+    found = []
+    for start in (1.0, 0.01):
+        bits = int(torch.tensor(start, dtype=F16).view(torch.int16))
+        up, down = [], []
+        while len(up) < count // 4 or len(down) < count // 4:
+            bits += 1
+            value = torch.tensor([bits], dtype=torch.int16).view(F16)
+            exact = value.float() * inv
+            rounded = exact.to(F16).float()
+            if rounded > exact and len(up) < count // 4:
+                up.append(float(value))
+            elif rounded < exact and len(down) < count // 4:
+                down.append(float(value))
+        found += up + down
+    return found + [5e-5, 1e-4, 2.0 ** -14 * 2688]
+
+
 def scale_rounding_amaxes(count: int = 12) -> list[float]:
     """bf16 amax values whose ComfyUI scale ``amax * fp32(1/2688)`` rounds to bf16 upward (half of them) and
     downward: any change of that rounding changes the scale of one of them."""
@@ -124,6 +193,28 @@ def check_global_scale(backend, device) -> str | None:
         x[5, 7] = -amax
         x = x.to(torch.bfloat16).to(device)
         diff = compare_packed(f"dynamic scale of amax {amax}", backend.pack_nvfp4(x), comfy_quantized(x, None))
+        if diff:
+            return diff
+    return None
+
+
+def check_global_scale_f16(backend, device) -> str | None:
+    """ComfyUI's dynamic scale of fp16 activations (rounded to fp16: up, down, into its subnormals, to 0)."""
+    gen = torch.Generator(device="cpu").manual_seed(6)
+    for amax in scale_rounding_amaxes_f16():
+        x = (torch.rand((17, 32), generator=gen) * 2 - 1) * amax * 0.9
+        x[5, 7] = -amax
+        x = x.to(F16).to(device)
+        diff = compare_packed(f"fp16 dynamic scale of amax {amax}", backend.pack_nvfp4(x), comfy_quantized(x, None))
+        if diff:
+            return diff
+    return None
+
+
+def check_pack_f16(backend, device) -> str | None:
+    for label, (x, scale) in probe_activations_f16(device).items():
+        packed = backend.pack_nvfp4(x, static_scale=static_scale(scale, device))
+        diff = compare_packed(label, packed, comfy_quantized(x, scale))
         if diff:
             return diff
     return None
@@ -169,16 +260,48 @@ def prescale_activations(device, k: int = 1056) -> dict[str, tuple[torch.Tensor,
     }
 
 
+def prescale_table_f16(k: int, seed: int = 13) -> torch.Tensor:
+    """An fp32 ``pre_quant_scale`` table [k] for fp16 activations: :func:`prescale_table`'s entries (most of its hard
+    ones overflow or underflow in the fp16 cast) and fp16's own: values just below, at and above its overflow
+    threshold, its subnormals and the values whose cast is a rounding tie, and factors that push products of
+    ordinary activations to +-inf (3e4) or into the fp16 subnormals (1e-6)."""
+    table = prescale_table(k, seed)
+    hard = [65504.0, 65519.0, 65520.0, 7e4, -7e4, 3e4, -3e4, 1e4, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26, 1e-6, -1e-6,
+            1e-5, 6e-5, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11]
+    table[len(hard) + 20:2 * len(hard) + 20] = torch.tensor(hard)
+    table[k // 2 + 20:k // 2 + 20 + len(hard)] = torch.tensor(hard)
+    return table
+
+
+def prescale_activations_f16(device, k: int = 528) -> dict[str, tuple[torch.Tensor, torch.Tensor, float | None]]:
+    """The fp16 prescale probe cases, each with its fp32 table and static scale (None: dynamic)."""
+    acts = probe_activations_f16(device, k=k)
+    random, _ = acts["fp16 random rows, dynamic scale"]
+    hard, _ = acts["fp16 hard cases with NaN/inf, dynamic scale"]
+    finite_hard, _ = acts["fp16 hard cases without NaN/inf, dynamic scale"]
+    strided, _ = acts["fp16 strided view, dynamic scale"]
+    table, hard_table = prescale_table_f16(k), prescale_table_f16(hard.shape[1])
+    finite_table = torch.nan_to_num(table, posinf=2.0, neginf=-2.0).clamp(-1e3, 1e3)
+    return {
+        "fp16 random rows x hard table, dynamic scale": (random, table, None),
+        "fp16 random rows x finite table, static scale": (random, finite_table, 2.0 / 2688 * 1.5),
+        "fp16 hard cases x hard table, static scale 1": (hard, hard_table, 1.0),
+        "fp16 hard cases without NaN/inf x finite table, dynamic scale": (finite_hard, finite_table[:hard.shape[1]],
+                                                                           None),
+        "fp16 strided view x finite table, dynamic scale": (strided, finite_table, None),
+    }
+
+
 def comfy_prescaled(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """ComfyUI's NVFP4 Linear's first step: the input times ``pre_quant_scale`` cast to the input dtype."""
     return x * comfy_adapter.cast_to_device(table, x.device, x.dtype)
 
 
-def check_pack_prescale(backend, device) -> str | None:
-    """The pack of ``x * pre_quant_scale`` (the table cast to bf16 as ComfyUI casts it) against ComfyUI's multiply
-    and quantizer."""
-    for label, (x, table, scale) in prescale_activations(device).items():
-        prescale = comfy_adapter.cast_to_device(table, torch.device(device), torch.bfloat16).contiguous()
+def check_pack_prescale(backend, device, cases=prescale_activations) -> str | None:
+    """The pack of ``x * pre_quant_scale`` (the table cast to the activation dtype as ComfyUI casts it) against
+    ComfyUI's multiply and quantizer."""
+    for label, (x, table, scale) in cases(device).items():
+        prescale = comfy_adapter.cast_to_device(table, torch.device(device), x.dtype).contiguous()
         packed = backend.pack_nvfp4(x, static_scale=static_scale(scale, device), prescale=prescale)
         diff = compare_packed(label, packed, comfy_quantized(comfy_prescaled(x, table), scale))
         if diff:
@@ -186,16 +309,25 @@ def check_pack_prescale(backend, device) -> str | None:
     return None
 
 
-def check_linear(backend, device) -> str | None:
+def check_pack_prescale_f16(backend, device) -> str | None:
+    return check_pack_prescale(backend, device, prescale_activations_f16)
+
+
+def check_linear(backend, device, dtype=torch.bfloat16) -> str | None:
     """The fused NVFP4 Linear (pack + device-alpha GEMM) against the stock NVFP4 Linear forward."""
-    layer = make_nvfp4_linear(5376, 256, seed=29, device=device)
+    layer = make_nvfp4_linear(5376, 256, seed=29, device=device, compute_dtype=dtype)
     fused = FusedNVFP4Linear(layer, "self-check linear")
     x, _ = probe_activations(device, k=5376)["random rows, dynamic scale"]
+    x = x.to(dtype)
     with torch.inference_mode():
         stock, out = layer(x), fused(x)
     if fused.calls_fused != 1:
         return "the fused Linear refused the probe"
     return first_difference("NVFP4 Linear output", out, stock)
+
+
+def check_linear_f16(backend, device) -> str | None:
+    return check_linear(backend, device, F16)
 
 
 def linear_comfy_source() -> str:
@@ -210,8 +342,10 @@ def linear_comfy_source() -> str:
 LINEAR_PROBES = ProbeSet(
     name="nvfp4_linear",
     probes={"global_scale": check_global_scale, "pack": check_pack, "pack_prescale": check_pack_prescale,
-            "linear": check_linear},
+            "linear": check_linear, "global_scale_f16": check_global_scale_f16, "pack_f16": check_pack_f16,
+            "pack_prescale_f16": check_pack_prescale_f16, "linear_f16": check_linear_f16},
     comfy_source=linear_comfy_source,
     shares_global_scale=("pack", "pack_prescale"),
-    needs_fp4_gemm=("linear",),
+    shares_global_scale_f16=("pack_f16", "pack_prescale_f16"),
+    needs_fp4_gemm=("linear", "linear_f16"),
 )

@@ -51,13 +51,15 @@ class NotApplicable(Exception):
 class ProbeSet:
     """The probes of one family of fused ops. ``comfy_source`` hashes the ComfyUI code they reproduce;
     ``shares_global_scale``: ops that compute ComfyUI's dynamic scale with the shared reduction (off too when the
-    ``global_scale`` probe fails: a random probe can round its one scale the right way by luck); ``aliases``: ops
-    checked by another op's probe (name -> that probe's name)."""
+    ``global_scale`` probe fails: a random probe can round its one scale the right way by luck);
+    ``shares_global_scale_f16``: the same for the fp16 reduction and its probe ``global_scale_f16``; ``aliases``:
+    ops checked by another op's probe (name -> that probe's name)."""
 
     name: str
     probes: Mapping[str, Probe]
     comfy_source: Callable[[], str]
     shares_global_scale: tuple[str, ...] = ()
+    shares_global_scale_f16: tuple[str, ...] = ()
     aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
     needs_fp4_gemm: tuple[str, ...] = ()
 
@@ -290,8 +292,12 @@ def op_refusal(device: torch.device, op: str) -> str | None:
             if verdict.block == "failed":
                 return f"the block self-check found a difference: {verdict.block_detail}"
             continue
-        shares = any(op in s.shares_global_scale for s in probe_sets)
-        for name in (op, "global_scale") if shares else (op,):
+        names = [op]
+        if any(op in s.shares_global_scale for s in probe_sets):
+            names.append("global_scale")
+        if any(op in s.shares_global_scale_f16 for s in probe_sets):
+            names.append("global_scale_f16")
+        for name in names:
             result = verdict.ops.get(name)
             if result is not None and result.ok is False:
                 return f"the self-check found {name} differs from ComfyUI's op ({result.detail})"

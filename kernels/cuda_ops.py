@@ -4,7 +4,8 @@ Public functions (all bit-identical to ComfyUI's stock ops followed by comfy-kit
 
 * :func:`pack_nvfp4` - NVFP4-pack an activation read through a *source* (plain rows, RMSNorm and/or adaLN
   modulation, SwiGLU of an fc1 output, or rows times a Linear's ``pre_quant_scale``), with a dynamic
-  (device-computed), precomputed or static global scale.
+  (device-computed), precomputed or static global scale. Plain and ``pre_quant_scale`` sources take bf16 or fp16
+  activations (fp16 with ComfyUI's fp16 arithmetic: the ``_f16`` kernels); the H3 sources take bf16.
 * :func:`norm_statistics` - torch's RMSNorm rstd of every row, optionally with the amax of the modulated, normalized
   rows (the next projection's global scale): the norm's output itself is never written.
 * :func:`gated_residual_` - ``x[r] += other[r] * gate[mod_index[r]]`` in place, optionally followed in the same pass
@@ -187,10 +188,17 @@ def rms_norm_support(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
+# Activation dtypes of the packs: the plain and pre_quant_scale sources read either (each kernel has an fp16 twin,
+# named with this suffix); the H3 sources (modulation, RMSNorm, SwiGLU) read bf16 only.
+PACK_DTYPES = {torch.bfloat16: "", torch.float16: "_f16"}
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
 def _prescale_refusal(prescale: torch.Tensor, x: torch.Tensor, k: int) -> str | None:
-    if (prescale.dtype != torch.bfloat16 or prescale.shape != (k,) or prescale.device != x.device
+    if (prescale.dtype != x.dtype or prescale.shape != (k,) or prescale.device != x.device
             or not _aligned(prescale)):
-        return f"the pre_quant_scale table must be a contiguous, 16-byte aligned bf16 [{k}] tensor on {x.device}"
+        return (f"the pre_quant_scale table must be a contiguous, 16-byte aligned {DTYPE_NAMES[x.dtype]} [{k}] tensor "
+                f"on {x.device} (the activation's dtype)")
     return None
 
 
@@ -199,8 +207,11 @@ def pack_support(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulatio
     """``None`` if the fused pack accepts these inputs, otherwise a human-readable reason."""
     if not x.is_cuda:
         return "the activation is not on a CUDA device"
-    if x.dtype != torch.bfloat16:
-        return f"the activation is {x.dtype}, the fused pack takes bfloat16"
+    if x.dtype not in PACK_DTYPES:
+        return f"the activation is {x.dtype}, the fused pack takes bfloat16 or float16"
+    if x.dtype != torch.bfloat16 and (swiglu or modulation is not None or norm is not None):
+        return (f"the activation is {x.dtype}: the fused SwiGLU / RMSNorm / modulation sources take bfloat16 (only "
+                "plain and pre_quant_scale packs take float16)")
     if x.dim() != 2:
         return f"the activation must be 2-D, got {x.dim()}-D"
     if swiglu and (modulation is not None or norm is not None):
@@ -386,15 +397,16 @@ def pack_nvfp4(
 
     Args:
         x: bf16 ``[M, K]`` (``[M, 2K]`` fc1 output for ``swiglu=True``: gate half first), any row stride that
-            keeps rows 16-byte aligned; read in place.
+            keeps rows 16-byte aligned; read in place. fp16 for the plain and ``prescale`` sources (then every
+            rounding ComfyUI makes in the activation dtype is an fp16 rounding: the global scale, the multiply).
         static_scale: fp32 one-element device tensor (the layer's ``input_scale``).
         global_scale: fp32 one-element device tensor already holding ComfyUI's dynamic scale of ``h`` (written by
             :func:`norm_statistics` / :func:`gated_residual_` earlier on the stream).
-            Neither: the dynamic scale ``bf16(amax|h| / 2688)`` is computed here in one extra launch.
+            Neither: the dynamic scale ``dtype(amax|h| / 2688)`` is computed here in one extra launch.
         weight_scale_2: fp32 one-element device tensor; the pack then writes the GEMM alpha (activation scale x
             weight scale) next to the global scale, so no follow-up launch computes it.
         modulation / norm / swiglu: the source (module docstring).
-        prescale: bf16 ``[K]`` contiguous: ``h = x * prescale`` (torch's bf16 multiply), a Linear's
+        prescale: ``[K]`` contiguous, in x's dtype: ``h = x * prescale`` (torch's bf16 or fp16 multiply), a Linear's
             ``pre_quant_scale`` cast to the activation dtype as ComfyUI's NVFP4 Linear casts it. Plain rows only.
         out: optional contiguous uint8 buffer of :func:`packed_buffer_bytes` bytes to write into.
 
@@ -408,6 +420,7 @@ def pack_nvfp4(
     if global_scale is None and static_scale is None and norm is not None:
         raise ValueError("a normalized source takes its global scale from norm_statistics")
     variant = _variant(swiglu, modulation, norm, prescale)
+    suffix = PACK_DTYPES[x.dtype]  # the fp16 kernels: same launch shapes as their bf16 twins
     rows = x.shape[0]
     k = x.shape[1] // 2 if swiglu else x.shape[1]
     rows16, rows128, groups = roundup(rows, 16), roundup(roundup(rows, 16), 128), roundup(k // 16, 4) // 4
@@ -434,12 +447,12 @@ def pack_nvfp4(
         chunks = rows * (k // 8)
         threads = LAUNCH["ABSMAX_THREADS"]
         items = {"plain": LAUNCH["PLAIN_ITEMS"], "swiglu": LAUNCH["SWIGLU_ABSMAX_ITEMS"]}.get(variant, 1)  # packs.cu
-        per_sm = min(ABSMAX_CTAS_PER_SM, mod.resident_ctas(f"nvfp4_absmax_{variant}", threads, 0))
+        per_sm = min(ABSMAX_CTAS_PER_SM, mod.resident_ctas(f"nvfp4_absmax_{variant}{suffix}", threads, 0))
         grid = max(1, min(-(-chunks // (threads * items)), mod.sm_count * per_sm))
-        mod.launch(f"nvfp4_absmax_{variant}", grid, threads, params, stream)
+        mod.launch(f"nvfp4_absmax_{variant}{suffix}", grid, threads, params, stream)
         global_scale = scalars[0:1]
     want_alpha = weight_scale_2 is not None and static_scale is None
-    kernel, threads, shared = f"nvfp4_pack_{variant}", LAUNCH["PACK_THREADS"], 0
+    kernel, threads, shared = f"nvfp4_pack_{variant}{suffix}", LAUNCH["PACK_THREADS"], 0
     units = _pack_units(variant, rows128, groups)
     grid = max(1, min(-(-units // (threads // 32)), mod.sm_count * 64))  # a warp per unit
     silu = _swiglu_silu(mod) if variant == "swiglu" else None

@@ -3,10 +3,13 @@
 Same functions and arguments as the CUDA kernels, computed with torch's own ops in the order the kernels promise
 to reproduce: RMSNorm is ``torch.nn.functional.rms_norm``, the adaLN modulation ``x * (1 + scale[m]) + shift[m]``
 with a bf16 rounding after each op, SwiGLU ``silu(gate) * up``, a Linear's ``pre_quant_scale`` ``x * prescale`` (one
-bf16 multiply), the residual ``x + other * gate[m]`` (torch's
-addcmul), the global scale ``bf16(amax|h| / 2688)`` and the pack comfy-kitchen's ``quantize_nvfp4`` (on the CPU its
+multiply in the activation dtype), the residual ``x + other * gate[m]`` (torch's
+addcmul), the global scale ``dtype(amax|h| / 2688)`` and the pack comfy-kitchen's ``quantize_nvfp4`` (on the CPU its
 eager backend, which stock ComfyUI runs there too). It is written from those definitions, not from ComfyUI's code:
 the tests compare it with ComfyUI's real block. It materializes what the kernels fuse, so it saves nothing.
+
+Like the kernels, the plain and ``pre_quant_scale`` packs take bf16 or fp16 activations (each rounding in the
+activation's dtype, as torch rounds it), the H3 sources bf16 only; the twin refuses what the kernels refuse.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def source_output(x: torch.Tensor, *, swiglu_source: bool = False, modulation: M
     if swiglu_source:
         return swiglu(x)
     if prescale is not None:
-        return x * prescale  # bf16 * bf16: torch's fp32 product, one rounding to bf16
+        return x * prescale  # bf16 * bf16 (fp16 * fp16): torch's fp32 product, one rounding to the dtype
     h = rms_norm(x, norm) if norm is not None else x
     return modulate(h, modulation) if modulation is not None else h
 
@@ -56,9 +59,15 @@ def rms_norm_support(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
+PACK_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # as kernels/cuda_ops.py PACK_DTYPES
+
+
 def pack_support(x, *, swiglu=False, modulation=None, norm=None, prescale=None) -> str | None:
-    if x.dtype != torch.bfloat16:
-        return f"the activation is {x.dtype}, the fused pack takes bfloat16"
+    if x.dtype not in PACK_DTYPES:
+        return f"the activation is {x.dtype}, the fused pack takes bfloat16 or float16"
+    if x.dtype != torch.bfloat16 and (swiglu or modulation is not None or norm is not None):
+        return (f"the activation is {x.dtype}: the fused SwiGLU / RMSNorm / modulation sources take bfloat16 (only "
+                "plain and pre_quant_scale packs take float16)")
     if x.dim() != 2:
         return f"the activation must be 2-D, got {x.dim()}-D"
     if prescale is not None and (swiglu or modulation is not None or norm is not None):
@@ -66,9 +75,9 @@ def pack_support(x, *, swiglu=False, modulation=None, norm=None, prescale=None) 
     k = x.shape[1] // 2 if swiglu else x.shape[1]
     if k % 16:
         return f"the feature width {k} is not a multiple of 16"
-    if prescale is not None and (prescale.dtype != torch.bfloat16 or prescale.shape != (k,)
-                                 or prescale.device != x.device):
-        return f"the pre_quant_scale table must be a bf16 [{k}] tensor on {x.device}"
+    if prescale is not None and (prescale.dtype != x.dtype or prescale.shape != (k,) or prescale.device != x.device):
+        return (f"the pre_quant_scale table must be a {PACK_DTYPES[x.dtype]} [{k}] tensor on {x.device} (the "
+                "activation's dtype)")
     return None
 
 
@@ -80,7 +89,7 @@ def residual_support(x, other, gate, *, next_norm=None) -> str | None:
 
 def pack_nvfp4(x, *, static_scale=None, global_scale=None, weight_scale_2=None, swiglu=False, modulation=None,
                norm=None, prescale=None, out=None) -> PackedActivation:
-    if prescale is not None:  # the kernels refuse a prescale table they cannot read: so does the twin
+    if prescale is not None or x.dtype != torch.bfloat16:  # what the kernels refuse, the twin refuses
         reason = pack_support(x, swiglu=swiglu, modulation=modulation, norm=norm, prescale=prescale)
         if reason is not None:
             raise ValueError(reason)

@@ -2,7 +2,8 @@
 
 This is the oracle the CUDA kernels in ``kernels/`` are tested against. It reproduces, step by step,
 the instruction sequence that comfy-kitchen's ``quantize_nvfp4`` kernel (built with ``--use_fast_math``)
-executes for every 16-element block of a row, with ``x`` bf16 and ``g`` the fp32 global (decode) scale:
+executes for every 16-element block of a row, with ``x`` bf16 or fp16 (the kernel is templated on the input type:
+the same instructions on fp16, ``max.f16`` / ``abs.f16``) and ``g`` the fp32 global (decode) scale:
 
     a  = max_i |x_i|                       bf16 ``max`` that skips NaN (all-NaN block -> NaN), widened to fp32
     d  = div.approx.ftz(div.approx.ftz(a, 6), g)                      = (a * fl(1/6)) * rcp(g), flushed
@@ -13,7 +14,8 @@ executes for every 16-element block of a row, with ``x`` bf16 and ``g`` the fp32
                                             the sign of a zero result is kept (-0.0 -> code 0x8)
 
 Every fp32 multiply is ``.ftz``: subnormal operands and results become zeros of the same sign, so bf16
-subnormal inputs quantize to (signed) zero codes.
+subnormal inputs quantize to (signed) zero codes. fp16 subnormals (down to 2^-24) widen to NORMAL fp32 values and
+are not flushed.
 
 Layout (layout.py; must match ``kernels/csrc/nvfp4_common.cuh``):
   * qdata ``uint8 [roundup(M, 16), K/2]``, element ``2j`` of a row in the HIGH nibble of byte ``j``;
@@ -97,7 +99,7 @@ def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
 
 
 def _bf16_absmax_skip_nan(blocks: torch.Tensor) -> torch.Tensor:
-    """max |x| over the last dim the way ``max.bf16`` does: NaN operands are skipped; all-NaN -> NaN."""
+    """max |x| over the last dim the way ``max.bf16`` (``max.f16``) does: NaN operands are skipped; all-NaN -> NaN."""
     mag = blocks.abs().float()
     is_nan = torch.isnan(mag)
     best = torch.where(is_nan, torch.full_like(mag, -1.0), mag).amax(dim=-1)
@@ -107,21 +109,22 @@ def _bf16_absmax_skip_nan(blocks: torch.Tensor) -> torch.Tensor:
 # --- global scale --------------------------------------------------------------------------------
 
 def dynamic_global_scale(x: torch.Tensor) -> torch.Tensor:
-    """ComfyUI's dynamic per-tensor scale: ``torch.amax(x.abs()) / 2688`` evaluated in bf16, as fp32.
+    """ComfyUI's dynamic per-tensor scale: ``torch.amax(x.abs()) / 2688`` evaluated in x's dtype, as fp32.
 
-    The bf16 division by a Python scalar runs as ``fp32(amax) * fp32(1/2688)`` rounded to bf16 (torch's
+    The division by a Python scalar runs as ``fp32(amax) * fp32(1/2688)`` rounded once to x's dtype (torch's
     GPU kernel multiplies by the reciprocal of a scalar divisor). ``amax`` propagates NaN, so a tensor
-    with any NaN gets a NaN scale; an all-zero tensor gets 0.
+    with any NaN gets a NaN scale; an all-zero tensor gets 0. In fp16 the scale of a small amax lands in the
+    fp16 subnormals (amax < ~0.16) or on 0 (amax < ~8e-5); an infinite amax gives an infinite scale.
     """
     amax = x.abs().amax().float()
     inv = torch.tensor(1.0 / GLOBAL_SCALE_DIVISOR, dtype=torch.float32)
-    return (amax * inv).to(torch.bfloat16).to(torch.float32).reshape(())
+    return (amax * inv).to(x.dtype).to(torch.float32).reshape(())
 
 
 # --- the packer ----------------------------------------------------------------------------------
 
 def quantize_blocks(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unpadded core: [M, K] bf16 + fp32 scalar g -> (codes uint8 [M, K] one nibble per byte,
+    """Unpadded core: [M, K] bf16 or fp16 + fp32 scalar g -> (codes uint8 [M, K] one nibble per byte,
     block-scale bytes uint8 [M, K/16])."""
     rows, cols = x.shape
     blocks = x.reshape(rows, cols // BLOCK, BLOCK)
@@ -170,21 +173,21 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None):
-    """Reference of the whole activation pack for a 2-D bf16 tensor.
+    """Reference of the whole activation pack for a 2-D bf16 or fp16 tensor.
 
     ``global_scale``: a static fp32 ``input_scale``; ``None`` computes ComfyUI's dynamic scale.
     Returns ``(qdata uint8, block_scales float8_e4m3fn, global_scale fp32 0-d)`` in comfy-kitchen's
     padded layouts.
     """
-    if x.dim() != 2 or x.dtype != torch.bfloat16:
-        raise ValueError(f"expected a 2-D bf16 tensor, got {tuple(x.shape)} {x.dtype}")
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"expected a 2-D bf16 or fp16 tensor, got {tuple(x.shape)} {x.dtype}")
     rows, cols = x.shape
     if cols % BLOCK:
         raise ValueError(f"the feature width must be a multiple of 16, got {cols}")
     x = x.cpu()
     g = dynamic_global_scale(x) if global_scale is None else global_scale.detach().cpu().float().reshape(())
     (rows16, _), (scale_rows, scale_cols) = packed_shapes(rows, cols)
-    padded = torch.zeros(rows16, cols, dtype=torch.bfloat16)
+    padded = torch.zeros(rows16, cols, dtype=x.dtype)
     padded[:rows] = x
     codes, s8 = quantize_blocks(padded, g)
     qdata = pack_nibbles(codes)

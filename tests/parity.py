@@ -34,10 +34,11 @@ def assert_bit_identical(a: torch.Tensor, b: torch.Tensor, label: str = "") -> N
         raise AssertionError(f"{label}: {n} of {a.numel()} elements differ (max |diff| {diff.nan_to_num(0).max()})")
 
 
-def random_activation(rows: int, cols: int, device="cuda") -> torch.Tensor:
-    """Per-row magnitudes over many binades, so block scales cover the e4m3 range."""
+def random_activation(rows: int, cols: int, device="cuda", dtype=torch.bfloat16) -> torch.Tensor:
+    """Per-row magnitudes over many binades, so block scales cover the e4m3 range (in fp16 the quietest rows reach
+    its subnormals)."""
     mag = torch.exp2(torch.randint(-12, 8, (rows, 1), device=device).float())
-    return (torch.randn(rows, cols, device=device) * mag).to(torch.bfloat16)
+    return (torch.randn(rows, cols, device=device) * mag).to(dtype)
 
 
 def comfy_pack(h: torch.Tensor, scale: torch.Tensor | None = None):

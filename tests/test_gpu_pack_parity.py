@@ -2,7 +2,9 @@
 packer), ComfyUI's RMSNorm module, the H3 module's ``_mod_scale_shift`` / ``_mod_gate``, ``comfy.ops``' SwiGLU, and
 torch's own ``_fused_rms_norm`` statistics. Equal bytes, on fresh random data (the seed is in the failure message),
 into poisoned outputs, plus the hard cases (ties, zeros, -0.0, NaN, +-Inf, subnormals, huge and tiny blocks, odd row
-counts, strided views, all 65,536 bf16 bit patterns)."""
+counts, strided views, all 65,536 bf16 bit patterns). fp16 activations of the plain and pre_quant_scale packs against
+comfy-kitchen's fp16 quantizer and ComfyUI's fp16 global scale and multiply, with fp16's own hard cases (all 65,536
+fp16 bit patterns, its subnormals, global scales that are fp16 subnormals or 0, products that overflow to inf)."""
 
 import pytest
 import torch
@@ -454,3 +456,216 @@ def test_prescale_inputs_are_checked():
     assert "pre_quant_scale" in ops.pack_support(random_activation(8, 512), swiglu=True, prescale=good)
     with pytest.raises(ValueError):
         ops.pack_nvfp4(x, prescale=good[:128])
+
+
+# ---- fp16 activations (plain and pre_quant_scale sources) ---------------------------------------------------------
+# ComfyUI's global scale torch.amax(x.abs()) / 2688 in fp16 (fp32(amax) * fp32(1/2688) rounded to fp16: subnormal
+# for amax < ~0.16, 0 below ~8e-5), comfy-kitchen's CUDA quantize_nvfp4<__half>, and the fp16 pre_quant_scale
+# multiply, against the _f16 kernels.
+
+F16 = torch.float16
+
+
+def _f16(rows, cols):
+    return random_activation(rows, cols, dtype=F16)
+
+
+@pytest.mark.parametrize("rows,cols", [(H3_ROWS, 5120), (1, 16), (17, 32), (129, 5392), (301, 7168), (301, 10240),
+                                       (1001, 13824)])
+def test_fp16_plain_pack_matches_comfyui(rows, cols):
+    seed = fresh_seed()
+    x = _f16(rows, cols)
+    assert_same_pack(fused_pack(x), *comfy_pack(x), f"fp16 [{rows}, {cols}] seed {seed}")
+
+
+@pytest.mark.parametrize("static", [0.5, 1.0, 3.0e-3, 7.1e-5, 2.0 ** -20])
+def test_fp16_static_scale(static):
+    seed = fresh_seed()
+    x = _f16(1000, 5120)
+    scale = torch.tensor([static], dtype=torch.float32, device="cuda")
+    assert_same_pack(fused_pack(x, static_scale=scale), *comfy_pack(x, scale), f"fp16 static {static} seed {seed}")
+
+
+def test_fp16_every_value():
+    """All 65536 fp16 bit patterns (NaN, +-Inf, -0.0, subnormals, ties) in one tensor, several scales."""
+    allbits = torch.arange(65536, dtype=torch.int32, device="cuda").to(torch.int16).view(F16)
+    x = allbits.reshape(-1, 256)
+    finite = x[torch.isfinite(x.float()).all(dim=1)]
+    shuffled = x.reshape(-1)[torch.randperm(65536, device="cuda")].reshape(-1, 512)
+    subnormal_rows = x[: 4]  # +0 and the positive subnormals 0x0001-0x03FF only: a dynamic scale of 0
+    for case, t in (("all patterns", x), ("finite rows", finite), ("shuffled", shuffled),
+                    ("subnormal rows", subnormal_rows)):
+        assert_same_pack(fused_pack(t), *comfy_pack(t), f"fp16 {case}")
+        for static in (1.0, 0.75, 2.0 ** -24, 1e-30):
+            scale = torch.tensor([static], dtype=torch.float32, device="cuda")
+            assert_same_pack(fused_pack(t, static_scale=scale), *comfy_pack(t, scale), f"fp16 {case} static {static}")
+
+
+def _f16_tie_tensor():
+    g = 2.0 ** -4
+    rows = []
+    for s8 in (1.0, 1.5, 1.25, 0.75, 2.0 ** -6):
+        scale = g * s8
+        for boundary in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0):
+            row = torch.full((16,), boundary * scale)
+            row[0] = 6.0 * scale
+            row[1] = -boundary * scale
+            rows.append(row)
+    return torch.stack(rows).to(F16).cuda(), torch.tensor([g], dtype=torch.float32, device="cuda")
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["zeros", "negative_zeros", "one_nan", "all_nan_block", "inf", "neg_inf", "underflow_blocks", "huge", "subnormal",
+     "subnormal_scale", "zero_scale", "ties"],
+)
+def test_fp16_hard_cases(case):
+    """fp16's hard cases: its subnormals as inputs, global scales that are fp16 subnormals (amax ~0.05) or 0 (amax
+    < ~8e-5: then rcp(0) = inf, every block scale 448 and every nonzero code saturated, as comfy-kitchen's), its
+    largest values, NaN and +-Inf, rounding ties."""
+    x = _f16(300, 5120)
+    scale = None
+    if case == "zeros":
+        x = torch.zeros_like(x)
+    elif case == "negative_zeros":
+        x = torch.full_like(x, -0.0)
+    elif case == "one_nan":
+        x[7, 33] = float("nan")
+    elif case == "all_nan_block":
+        x[9, 32:48] = float("nan")
+    elif case == "inf":
+        x[5, 100] = float("inf")
+    elif case == "neg_inf":
+        x[200, 17] = float("-inf")
+    elif case == "underflow_blocks":
+        x[:10] *= 1e-4  # block scales round to 0 -> encode = FLT_MAX
+    elif case == "huge":
+        x = (torch.randn(300, 5120, device="cuda") * 2e4).clamp(-65504, 65504).to(F16)
+    elif case == "subnormal":
+        x = torch.randint(-1023, 1024, x.shape, device="cuda").to(torch.int16)
+        x = torch.where(x < 0, (-x) | -32768, x).view(F16)  # sign-magnitude: every fp16 subnormal, both signs
+    elif case == "subnormal_scale":
+        x = (torch.randn(300, 5120, device="cuda") * 0.01).to(F16)
+    elif case == "zero_scale":
+        x = (torch.randn(300, 5120, device="cuda") * 1e-5).to(F16)
+    elif case == "ties":
+        x, scale = _f16_tie_tensor()
+    if case in ("subnormal_scale", "zero_scale", "subnormal"):  # fp16 subnormal inputs: amax < 2^-14, g = 0
+        g = float(comfy_pack(x)[2])
+        assert (0 < g < 2.0 ** -14) if case == "subnormal_scale" else g == 0, (case, g)
+    assert_same_pack(fused_pack(x, static_scale=scale), *comfy_pack(x, scale), f"fp16 {case}")
+    if scale is not None:
+        assert_same_pack(fused_pack(x), *comfy_pack(x), f"fp16 {case} dynamic")
+
+
+def test_fp16_reference_matches_kernel_on_gpu_data():
+    """The CPU oracle's fp16 model (tests/nvfp4_oracle.py) against the fp16 kernel on fresh data, except in blocks it
+    flags as sensitive to the GPU's approximate reciprocal."""
+    import nvfp4_oracle as ref
+
+    seed = fresh_seed()
+    x = _f16(257, 5120)
+    q, s, g = ref.quantize_nvfp4(x.cpu())
+    fused = fused_pack(x)
+    assert torch.equal(fused.global_scale.cpu().reshape(()), g), f"seed {seed}"
+    rows16 = q.shape[0]
+    padded = torch.zeros(rows16, x.shape[1], dtype=F16)
+    padded[: x.shape[0]] = x.cpu()
+    sensitive = ref.rcp_sensitive_blocks(padded, g)
+    fused_scales = ref.unswizzle_scales(fused.block_scales.cpu(), rows16, x.shape[1])
+    differs = ((fused_scales != ref.unswizzle_scales(s, rows16, x.shape[1]))
+               | (fused.qdata.cpu().reshape(rows16, -1, 8) != q.reshape(rows16, -1, 8)).any(-1))
+    assert (differs & ~sensitive).sum().item() == 0, f"seed {seed}"
+
+
+def _prescale_f16(table):
+    import comfy.model_management
+
+    return comfy.model_management.cast_to_device(table, torch.device("cuda"), F16).contiguous()
+
+
+@pytest.mark.parametrize("rows,cols,static", [(H3_ROWS, 5120, None), (1001, 4096, None), (1001, 4096, 0.02),
+                                              (129, 5392, None), (17, 16, None), (301, 13824, 3.0e-3)])
+def test_fp16_prescale_pack_matches_comfyui(rows, cols, static):
+    seed = fresh_seed()
+    x = _f16(rows, cols)
+    table = torch.exp(torch.randn(cols, device="cuda") * 0.8)
+    scale = None if static is None else torch.tensor([static], dtype=torch.float32, device="cuda")
+    fused = fused_pack(x, prescale=_prescale_f16(table), static_scale=scale)
+    assert_same_pack(fused, *comfy_pack(_comfy_prescaled(x, table), scale),
+                     f"fp16 prescale [{rows}, {cols}] seed {seed}")
+
+
+@pytest.mark.parametrize("case", ["probe_table", "probe_inputs", "every_fp16_table", "overflow_products",
+                                  "subnormal_products", "strided", "fp16_table", "with_alpha"])
+def test_fp16_prescale_pack_hard_cases(case):
+    """The fp16 probe table (overflow and underflow in the fp16 cast), the fp16 hard inputs, every fp16 bit pattern
+    as a table entry, products that overflow to +-inf in fp16 and that land in its subnormals, a strided view, a
+    table stored in fp16, and the GEMM alpha the pack writes."""
+    from h3_fused_nvfp4.core import probes
+
+    seed = fresh_seed()
+    scales = [None]
+    if case == "probe_table":
+        x = _f16(300, 1056)
+        table = probes.prescale_table_f16(1056).cuda()
+        scales.append(torch.tensor([1.0], device="cuda"))
+    elif case == "probe_inputs":
+        x, _ = probes.probe_activations_f16("cuda")["fp16 hard cases with NaN/inf, dynamic scale"]
+        table = probes.prescale_table_f16(x.shape[1]).cuda()
+        scales.append(torch.tensor([1.0], device="cuda"))
+    elif case == "every_fp16_table":
+        table = torch.arange(65536, dtype=torch.int32, device="cuda").to(torch.int16).view(F16)
+        x = _f16(64, 65536)
+        scales.append(torch.tensor([0.75], device="cuda"))
+    elif case == "overflow_products":  # |x p| above 65504 for a part of the products: +-inf in fp16
+        x = (torch.randn(257, 2048, device="cuda") * 4).to(F16)
+        table = torch.exp(torch.randn(2048, device="cuda") * 0.5) * 2e4
+        scales.append(torch.tensor([1.0], device="cuda"))
+    elif case == "subnormal_products":  # |x| ~ 2^-7 times 2^-8..-20: products across 2^-14 down past 2^-24
+        x = (torch.randn(257, 2048, device="cuda") * 2.0 ** -7).to(F16)
+        exponents = torch.randint(8, 21, (2048,), device="cuda").float()
+        table = torch.exp2(-exponents) * (1 + torch.rand(2048, device="cuda"))
+        scales.append(torch.tensor([2.0 ** -20], device="cuda"))
+    elif case == "strided":
+        wide = _f16(3001, 3 * 2048)
+        x = wide[:, 2048:4096]
+        table = torch.exp(torch.randn(2048, device="cuda"))
+    elif case == "fp16_table":
+        x = _f16(999, 2048)
+        table = torch.exp(torch.randn(2048, device="cuda")).to(F16)
+    else:  # with_alpha
+        x = _f16(999, 2048)
+        table = torch.exp(torch.randn(2048, device="cuda"))
+    h = _comfy_prescaled(x, table)
+    if case == "overflow_products":
+        assert torch.isinf(h).any() and torch.isfinite(x).all(), "the case must overflow in the product"
+    if case == "subnormal_products":
+        assert ((h != 0) & (h.abs() < 2.0 ** -14)).float().mean() > 0.2, "the case must land in the subnormals"
+    for scale in scales:
+        label = f"fp16 prescale {case} static {None if scale is None else float(scale)} seed {seed}"
+        if case == "with_alpha":
+            w2 = torch.tensor([3.1e-4], dtype=torch.float32, device="cuda")
+            fused = fused_pack(x, prescale=_prescale_f16(table), weight_scale_2=w2)
+            g = comfy_pack(h)[2].reshape(1).to(torch.float32)
+            assert torch.equal(fused.alpha.view(torch.int32), (g * w2).reshape(1).view(torch.int32)), label
+        else:
+            fused = fused_pack(x, prescale=_prescale_f16(table), static_scale=scale)
+        assert_same_pack(fused, *comfy_pack(h, scale), label)
+
+
+def test_fp16_inputs_are_checked():
+    """fp16 goes to the plain and prescale kernels only, with an fp16 table; the H3 sources refuse it by name."""
+    ops = _ops()
+    x = _f16(8, 256)
+    good = torch.ones(256, dtype=F16, device="cuda")
+    assert ops.pack_support(x) is None and ops.pack_support(x, prescale=good) is None
+    assert "fp16 [256]" in ops.pack_support(x, prescale=good.to(torch.bfloat16))
+    assert "bf16 [256]" in ops.pack_support(random_activation(8, 256), prescale=good)
+    assert "take bfloat16" in ops.pack_support(_f16(8, 512), swiglu=True)
+    shift, scale, _ = _tables(8, 256)
+    index = torch.zeros(8, dtype=torch.int32, device="cuda")
+    assert "take bfloat16" in ops.pack_support(x, modulation=ops.Modulation(scale, shift, index))
+    assert "float32" in ops.pack_support(x.float())
+    with pytest.raises(ValueError, match="take bfloat16"):
+        ops.pack_nvfp4(_f16(8, 512), swiglu=True)

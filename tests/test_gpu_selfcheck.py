@@ -1,6 +1,6 @@
 """The first-use self-check on the GPU: every kernel probe passes against ComfyUI's ops within its time budget, a
-planted wrong kernel (NVFP4_PLANT_FAULT: bf16 rounding toward zero) fails it and the model falls back for those ops
-with the message, and a cached cubin the driver refuses is rebuilt."""
+planted wrong kernel (NVFP4_PLANT_FAULT: bf16 and fp16 rounding toward zero) fails it and the model falls back for
+those ops with the message, and a cached cubin the driver refuses is rebuilt."""
 
 import logging
 import time
@@ -48,7 +48,7 @@ def test_planted_wrong_kernel_fails_and_the_model_falls_back(monkeypatch, tmp_pa
     failed = {n for n, r in results.items() if r.ok is False}
     # Every op that rounds to bf16 sees it; the packs round only their global scale, which the global_scale probe
     # checks with scales that round up and down (a fault there turns every dynamic pack off).
-    assert {"global_scale", "gated_residual", "rms_norm", "pack_norm", "rms_rope"} <= failed, {
+    assert {"global_scale", "global_scale_f16", "gated_residual", "rms_norm", "pack_norm", "rms_rope"} <= failed, {
         n: r.detail for n, r in results.items()}
     assert "differs at index" in results["gated_residual"].detail
 

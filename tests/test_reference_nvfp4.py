@@ -456,3 +456,38 @@ def test_padding_is_zero(static):
             real[ref.swizzled_scale_offset(r, j, 8)] = True
     assert int(real.sum()) == rows * (cols // 16)
     assert (flat[real] != 0).all() and not flat[~real].any(), f"seed={seed}"
+
+
+# ---- fp16 inputs (comfy-kitchen's quantize_nvfp4<__half>: the same instructions on fp16) --------------------------
+
+def test_fp16_subnormals_are_widened_not_flushed():
+    """fp16 subnormals widen to normal fp32 values: unlike bf16 subnormals they keep their codes. A block of
+    multiples of 2^-20 (all below fp16's smallest normal 2^-14) with g = 2^-20: s8 = 1, e = 2^20, x * e exact."""
+    unit = 2.0 ** -20
+    values = [6.0, 3.0, 1.0, 0.5, -6.0, -2.0, -1.5, 0.0, 4.0, -4.0, 1.5, -0.5, 2.0, -3.0, 0.0, -0.0]
+    x = torch.tensor([[v * unit for v in values]], dtype=torch.float16)
+    assert (x.float().abs() < 2.0 ** -14).all() and (x.float() != 0).sum() == 13
+    q, s, g = ref.quantize_nvfp4(x, torch.tensor(unit))
+    magnitude = {0.0: 0, 0.5: 1, 1.0: 2, 1.5: 3, 2.0: 4, 3.0: 5, 4.0: 6, 6.0: 7}
+    codes = [magnitude[abs(v)] | (8 if math.copysign(1.0, v) < 0 else 0) for v in values]
+    expected = [(codes[2 * j] << 4) | codes[2 * j + 1] for j in range(8)]
+    assert q[0].tolist() == expected
+    assert s.view(torch.uint8).reshape(-1)[0].item() == 0x38  # e4m3 1.0
+
+
+@pytest.mark.parametrize("amax,expected", [
+    (1.0, 0.0003719329833984375),           # fp16 0x0E18 (a normal)
+    (0.05, 1.8596649169921875e-05),         # an fp16 subnormal: 312 * 2^-24
+    (5e-5, 0.0),                            # below half the smallest subnormal: 0
+    (float("inf"), float("inf")),
+])
+def test_fp16_dynamic_scale_rounds_to_fp16(amax, expected):
+    """ComfyUI's dynamic scale of an fp16 tensor is rounded to fp16 (subnormals and 0 included), from the CUDA
+    sequence fp32(amax) * fp32(1/2688)."""
+    x = torch.tensor([[amax] + [0.0] * 15], dtype=torch.float16)
+    a = float(x.abs().max())
+    product = f32(f32(a) * f32(1.0 / 2688.0))
+    by_hand = float(torch.tensor(product, dtype=torch.float32).to(torch.float16))
+    assert by_hand == expected or (math.isinf(expected) and math.isinf(by_hand))
+    g = float(ref.dynamic_global_scale(x))
+    assert g == by_hand

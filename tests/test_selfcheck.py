@@ -80,6 +80,7 @@ def test_every_probe_passes_on_the_twin_quickly():
     assert set(results) == set(plan.OPS) - {"block"}
     assert {n for n, r in results.items() if r.ok is False} == set(), {n: r.detail for n, r in results.items()}
     assert results["linear"].ok is None and "no FP4 GEMM" in results["linear"].detail
+    assert results["linear_f16"].ok is None and results["pack_f16"].ok is True
     assert seconds < 5.0, f"the self-check took {seconds:.2f} s on the CPU"
 
 
@@ -103,6 +104,26 @@ def test_planted_wrong_op_fails_the_check_and_the_model_falls_back(monkeypatch, 
     assert qkv and all(v.calls_fused == 0 and v.calls_stock > 0 for v in qkv)
     notes = [r.getMessage() for r in caplog.records if "the self-check found" in r.getMessage()]
     assert notes, "the fallback did not say why"
+
+
+def test_fp16_probes_exist_and_catch_a_planted_fp16_fault(monkeypatch):
+    """The fp16 Linear ops have probes of their own; a twin that rounds fp16 activations' global scale through bf16
+    (the bf16 arithmetic applied to fp16) fails exactly the fp16 ops that use it, and the model's bf16 ops pass."""
+    assert {"global_scale_f16", "pack_f16", "pack_prescale_f16", "linear_f16"} <= set(plan.OPS)
+    real = fused_ops.dynamic_global_scale
+
+    def bf16_rounded(h):
+        if h.dtype == torch.float16:
+            return (torch.amax(h.abs()).to(torch.bfloat16) / 2688.0).to(torch.float32).reshape(1)
+        return real(h)
+
+    monkeypatch.setattr(fused_ops, "dynamic_global_scale", bf16_rounded)
+    results = verdicts.run_probes(fused_ops, CPU, PROBE_SETS)
+    failed = {n for n, r in results.items() if r.ok is False}
+    assert {"global_scale_f16", "pack_f16", "pack_prescale_f16"} <= failed, failed
+    assert not failed & {"global_scale", "pack", "pack_prescale", "pack_modulate", "pack_swiglu"}, failed
+    assert results["linear_f16"].ok is None and "no FP4 GEMM" in results["linear_f16"].detail
+    assert "global scale differs" in results["global_scale_f16"].detail
 
 
 def test_changed_comfyui_block_is_caught_by_the_block_check(monkeypatch):

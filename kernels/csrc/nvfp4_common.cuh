@@ -1,16 +1,20 @@
-// Shared device code of the fused NVFP4 kernels: bf16 helpers, the exact "16 values -> block scale + codes"
-// routine, E2M1 conversion and the swizzled block-scale layout.
+// Shared device code of the fused NVFP4 kernels: bf16 and fp16 helpers, the exact "16 values -> block scale +
+// codes" routine, E2M1 conversion and the swizzled block-scale layout.
 //
 // Exactness contract: every operation whose result can change a bit of the packed output is written as the
-// same PTX instruction that comfy-kitchen's quantize_nvfp4 kernel compiles to (nvcc --use_fast_math):
-//   a  = max.bf16(abs.bf16(x_i))                           NaN operands skipped
+// same PTX instruction that comfy-kitchen's quantize_nvfp4 kernel compiles to (nvcc --use_fast_math; the kernel is
+// templated on the activation type, bf16 or fp16, and these are its instructions for either, written for bf16):
+//   a  = max.bf16(abs.bf16(x_i))                           NaN operands skipped (fp16: max.f16, abs.f16)
 //   d  = div.approx.ftz(div.approx.ftz(float(a), 6.0), g)
 //   d  = min.ftz(d, 448)                                   NaN -> 448
 //   s8 = cvt.rn.satfinite.e4m3x2(d)
 //   e  = min.ftz(rcp.approx.ftz(mul.ftz(g, float(s8))), FLT_MAX)
 //   q  = cvt.rn.satfinite.e2m1x2(mul.ftz(e, x_i))          software RNE on sm_90 (no e2m1 instruction)
-// On sm_90 the conversion is done two values at a time in bf16x2 arithmetic (see e2m1_magnitude_codes_x2); the
-// rounding argument is spelled out there and tests/test_gpu_arith.py checks it on every fp32 input.
+// float(a) and float(x_i) are exact widenings (an fp16 subnormal becomes a normal fp32 value, so the .ftz of the
+// fp32 operations that follow never sees it). The element type is a template parameter of the routine (Bf16, F16
+// below: the same instructions on the other 16-bit format). On sm_90 the conversion is done two values at a time in
+// bf16x2 arithmetic on the fp32 magnitudes (see e2m1_magnitude_codes_x2), for either element type; the rounding
+// argument is spelled out there and tests/test_gpu_arith.py checks it on every fp32 input.
 // The Python twin of this routine is tests/nvfp4_oracle.py; keep the two in step.
 //
 // Everything else (the elementwise prologues in packs.cu, the residual and norm statistics in residual_norm.cu)
@@ -53,6 +57,28 @@ NVFP4_DEVICE u32 pack_bf16x2(float lo, float hi) {
     asm("cvt.rz.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
 #else
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+// ---- fp16 <-> fp32 ---------------------------------------------------------------------------------------
+// cvt.f32.f16 is exact (fp16 subnormals become normal fp32 values); cvt.rn.f16.f32 rounds to nearest even with
+// fp16 subnormals and overflow to +-inf, NaN -> canonical NaN: torch's c10::Half(float) on CUDA (__float2half).
+
+NVFP4_DEVICE float f16_to_f32(u16 v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+    return f;
+}
+NVFP4_DEVICE float f16_lo(u32 pair) { return f16_to_f32((u16)(pair & 0xFFFFu)); }
+NVFP4_DEVICE float f16_hi(u32 pair) { return f16_to_f32((u16)(pair >> 16)); }
+// NVFP4_PLANT_FAULT rounds toward zero here too (the fp16 global scale's probe must catch it).
+NVFP4_DEVICE u16 f32_to_f16(float f) {
+    u16 r;
+#if defined(NVFP4_PLANT_FAULT) && NVFP4_PLANT_FAULT
+    asm("cvt.rz.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+#else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
 #endif
     return r;
 }
@@ -137,6 +163,68 @@ NVFP4_DEVICE u32 bf16x2_min(u32 a, u32 b) {
 NVFP4_DEVICE u32 bf16x2_add(u32 a, u32 b) { return bf16x2_fma(a, BF16X2_ONE, b); }
 NVFP4_DEVICE u32 bf16x2_mul(u32 a, u32 b) { return bf16x2_fma(a, b, BF16X2_NEG_ZERO); }  // -0 keeps the sign of a zero product
 
+// ---- f16x2 arithmetic ------------------------------------------------------------------------------------
+// The same operations on fp16 pairs: comfy-kitchen's __habs / __hmax on __half are abs.f16 / max.f16 (sm_80 on: a
+// NaN operand is ignored, two NaNs give NaN), and torch's fp16 multiply is an fp32 opmath product, exact for two fp16
+// values (11 + 11 significant bits, and fp16 subnormals are normal in fp32), rounded once to fp16: one
+// fma.rn.f16x2 with a -0 addend (subnormal results kept, overflow to +-inf, the sign of a zero product kept).
+
+NVFP4_DEVICE u32 f16x2_abs(u32 a) {
+    u32 r;
+    asm("abs.f16x2 %0, %1;" : "=r"(r) : "r"(a));
+    return r;
+}
+NVFP4_DEVICE u32 f16x2_max(u32 a, u32 b) {
+    u32 r;
+    asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+NVFP4_DEVICE u32 f16x2_absmax(u32 a, u32 b) { return f16x2_max(f16x2_abs(a), f16x2_abs(b)); }
+NVFP4_DEVICE u16 f16x2_hmax(u32 v) {
+    u16 r;
+    asm("{ .reg .b16 lo, hi;\n"
+        "  mov.b32 {lo, hi}, %1;\n"
+        "  max.f16 %0, lo, hi; }" : "=h"(r) : "r"(v));
+    return r;
+}
+#define F16X2_NEG_ZERO 0x80008000u
+NVFP4_DEVICE u32 f16x2_mul(u32 a, u32 b) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(F16X2_NEG_ZERO));
+    return r;
+}
+
+// ---- element types ---------------------------------------------------------------------------------------
+// The activation formats the plain and prescale packs read, as a template parameter of the shared routines:
+// widening to fp32 (one value, or the low / high half of a pair), the NaN-skipping |.| max of the block absmax, the
+// one-rounding multiply of the prescale source, the rounding of ComfyUI's dynamic global scale to the activation
+// dtype, and kInfBits, the |x| bit pattern of +inf (every NaN's |x| pattern is above it). Both formats keep the
+// sign in bit 15 of each half, which the sm_90 encoder gathers by byte (encode8_no_nan).
+struct Bf16 {
+    static constexpr u32 kInfBits = 0x7F80u;
+    static __device__ __forceinline__ float to_f32(u16 v) { return bf16_to_f32(v); }
+    static __device__ __forceinline__ float lo(u32 pair) { return bf16_lo(pair); }
+    static __device__ __forceinline__ float hi(u32 pair) { return bf16_hi(pair); }
+    static __device__ __forceinline__ u16 round(float f) { return f32_to_bf16(f); }
+    static __device__ __forceinline__ u32 abs_x2(u32 a) { return bf16x2_abs(a); }
+    static __device__ __forceinline__ u32 max_x2(u32 a, u32 b) { return bf16x2_max(a, b); }
+    static __device__ __forceinline__ u32 absmax_x2(u32 a, u32 b) { return bf16x2_absmax(a, b); }
+    static __device__ __forceinline__ u16 hmax(u32 v) { return bf16x2_hmax(v); }
+    static __device__ __forceinline__ u32 mul_x2(u32 a, u32 b) { return bf16x2_mul(a, b); }
+};
+struct F16 {
+    static constexpr u32 kInfBits = 0x7C00u;
+    static __device__ __forceinline__ float to_f32(u16 v) { return f16_to_f32(v); }
+    static __device__ __forceinline__ float lo(u32 pair) { return f16_lo(pair); }
+    static __device__ __forceinline__ float hi(u32 pair) { return f16_hi(pair); }
+    static __device__ __forceinline__ u16 round(float f) { return f32_to_f16(f); }
+    static __device__ __forceinline__ u32 abs_x2(u32 a) { return f16x2_abs(a); }
+    static __device__ __forceinline__ u32 max_x2(u32 a, u32 b) { return f16x2_max(a, b); }
+    static __device__ __forceinline__ u32 absmax_x2(u32 a, u32 b) { return f16x2_absmax(a, b); }
+    static __device__ __forceinline__ u16 hmax(u32 v) { return f16x2_hmax(v); }
+    static __device__ __forceinline__ u32 mul_x2(u32 a, u32 b) { return f16x2_mul(a, b); }
+};
+
 // torch's CUDA silu in fp32 opmath: x / (1 + expf(-x)), IEEE division, then rounded to bf16 (the pack kernels
 // compile without fast math, so expf is the accurate libdevice one, as in PyTorch's build).
 NVFP4_DEVICE float silu_bf16(float x) {
@@ -182,8 +270,8 @@ NVFP4_DEVICE void swiglu_window_x8(const u32 g[8], const u32 u[8], const u16* wi
 }
 #endif
 
-// torch.amax semantics for the global scale: NaN wins. On |x| bit patterns (sign cleared) an unsigned
-// compare orders every NaN above +inf, so an integer max is exact and NaN-propagating.
+// torch.amax semantics for the global scale: NaN wins. On |x| bit patterns (sign cleared) of bf16 or fp16 pairs an
+// unsigned compare orders every NaN above +inf, so an integer max is exact and NaN-propagating.
 NVFP4_DEVICE u32 abs_bits_max_x2(u32 acc, u32 pair) { return __vmaxu2(acc, pair & 0x7FFF7FFFu); }
 
 // ---- the block quantizer ---------------------------------------------------------------------------------
@@ -201,11 +289,10 @@ NVFP4_DEVICE float rcp_approx_ftz(float g) {
     return r;
 }
 
-// Block scale and encode multiplier from the block absmax (bf16 bits), the global decode scale g and its
-// reciprocal rcp_approx_ftz(g).
-NVFP4_DEVICE BlockScale block_scale_from_absmax(u16 absmax_bf16, float g, float rcp_g) {
+// Block scale and encode multiplier from the block absmax (widened exactly to fp32 from the element type), the
+// global decode scale g and its reciprocal rcp_approx_ftz(g).
+NVFP4_DEVICE BlockScale block_scale_from_absmax(float a, float g, float rcp_g) {
     BlockScale out;
-    float a = bf16_to_f32(absmax_bf16);
     float d, s;
     u16 packed;
     u32 halves;
@@ -293,12 +380,13 @@ NVFP4_DEVICE u32 e2m1x2(float first, float second) {
 #endif
 }
 
-// 8 bf16 values (4 words, element 0 in the low half of word 0) scaled by `e` -> 8 codes in 4 bytes.
-NVFP4_DEVICE u32 encode8(const u32 w[4], float e) {
+// 8 values of element type E (4 words, element 0 in the low half of word 0) scaled by `e` -> 8 codes in 4 bytes.
+template <class E>
+__device__ __forceinline__ u32 encode8(const u32 w[4], float e) {
     u32 out = 0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        u32 byte = e2m1x2(mul_ftz(e, bf16_lo(w[i])), mul_ftz(e, bf16_hi(w[i])));
+        u32 byte = e2m1x2(mul_ftz(e, E::lo(w[i])), mul_ftz(e, E::hi(w[i])));
         out |= byte << (8 * i);
     }
     return out;
@@ -326,12 +414,14 @@ NVFP4_DEVICE u32 e2m1_magnitude_codes_x2(float v0, float v1) {
     return bf16x2_min(bf16x2_min(fine, mid), coarse);
 }
 
-// 8 bf16 values (words w, their magnitudes a) scaled by e -> 8 codes in 4 bytes, as encode8 for NaN-free input.
-// The sign of each code is the sign of x (e > 0, so x * e has the sign of x, zeros included).
-NVFP4_DEVICE u32 encode8_no_nan(const u32 w[4], const u32 a[4], float e) {
+// 8 values of element type E (words w, their magnitudes a) scaled by e -> 8 codes in 4 bytes, as encode8 for
+// NaN-free input. The sign of each code is the sign of x (e > 0, so x * e has the sign of x, zeros included): bit 15
+// of each half in both formats.
+template <class E>
+__device__ __forceinline__ u32 encode8_no_nan(const u32 w[4], const u32 a[4], float e) {
     u32 pair[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) pair[i] = e2m1_magnitude_codes_x2(mul_ftz(e, bf16_lo(a[i])), mul_ftz(e, bf16_hi(a[i])));
+    for (int i = 0; i < 4; ++i) pair[i] = e2m1_magnitude_codes_x2(mul_ftz(e, E::lo(a[i])), mul_ftz(e, E::hi(a[i])));
     // Gather byte 0 (first value of each pair) and byte 2 (second value): codes of values 0, 2, 1, 3 (4, 6, 5, 7),
     // with the sign of each in bit 3 (from the bytes of w that hold the signs, in the same order); the first value
     // of each output byte goes to the high nibble.
@@ -341,37 +431,39 @@ NVFP4_DEVICE u32 encode8_no_nan(const u32 w[4], const u32 a[4], float e) {
     return (__byte_perm(p01, p23, 0x5410) << 4) | __byte_perm(p01, p23, 0x7632);
 }
 
-// One 16-value block (8 words): block scale byte and 16 codes (lo: values 0-7, hi: values 8-15).
-NVFP4_DEVICE void quantize_block16(const u32 w[8], float g, float rcp_g, u32& scale_byte, u32& lo, u32& hi) {
+// One 16-value block (8 words of element type E): block scale byte and 16 codes (lo: values 0-7, hi: values 8-15).
+template <class E>
+__device__ __forceinline__ void quantize_block16(const u32 w[8], float g, float rcp_g, u32& scale_byte, u32& lo,
+                                                 u32& hi) {
 #if !defined(NVFP4_HW_E2M1)
-    // |x| bit patterns order like magnitudes, with NaN above inf (abs.bf16x2 keeps a NaN a NaN, whatever its sign
-    // bit, so its pattern stays above 0x7F80): an integer max finds the block absmax and tells whether the block
-    // holds a NaN. Without one it equals the NaN-skipping bf16 max of the reference.
+    // |x| bit patterns order like magnitudes, with NaN above inf (abs keeps a NaN a NaN, whatever its sign bit, so
+    // its pattern stays above E::kInfBits: 0x7F80 in bf16, 0x7C00 in fp16): an integer max finds the block absmax and
+    // tells whether the block holds a NaN. Without one it equals the NaN-skipping max of the reference.
     u32 a[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) a[j] = bf16x2_abs(w[j]);
+    for (int j = 0; j < 8; ++j) a[j] = E::abs_x2(w[j]);
     const u32 m = __vmaxu2(__vmaxu2(__vmaxu2(a[0], a[1]), __vmaxu2(a[2], a[3])),
                            __vmaxu2(__vmaxu2(a[4], a[5]), __vmaxu2(a[6], a[7])));
     const u32 amax = max(m & 0xFFFFu, m >> 16);
-    if (amax <= 0x7F80u) {
-        const BlockScale bs = block_scale_from_absmax((u16)amax, g, rcp_g);
+    if (amax <= E::kInfBits) {
+        const BlockScale bs = block_scale_from_absmax(E::to_f32((u16)amax), g, rcp_g);
         // The pairwise path needs every x * e to be a non-NaN magnitude with the sign of x: e > 0. (e is 0 when
         // g is inf and the block holds an inf: then inf * 0 is NaN, which converts to +6.)
         if (bs.encode > 0.0f) {
             scale_byte = bs.byte;
-            lo = encode8_no_nan(w, a, bs.encode);
-            hi = encode8_no_nan(w + 4, a + 4, bs.encode);
+            lo = encode8_no_nan<E>(w, a, bs.encode);
+            hi = encode8_no_nan<E>(w + 4, a + 4, bs.encode);
             return;
         }
     }
     // A NaN in the block, or e <= 0 (rare): the value-at-a-time sequence below.
 #endif
-    const u32 mx = bf16x2_max(bf16x2_max(bf16x2_absmax(w[0], w[1]), bf16x2_absmax(w[2], w[3])),
-                              bf16x2_max(bf16x2_absmax(w[4], w[5]), bf16x2_absmax(w[6], w[7])));
-    const BlockScale bs = block_scale_from_absmax(bf16x2_hmax(mx), g, rcp_g);
+    const u32 mx = E::max_x2(E::max_x2(E::absmax_x2(w[0], w[1]), E::absmax_x2(w[2], w[3])),
+                             E::max_x2(E::absmax_x2(w[4], w[5]), E::absmax_x2(w[6], w[7])));
+    const BlockScale bs = block_scale_from_absmax(E::to_f32(E::hmax(mx)), g, rcp_g);
     scale_byte = bs.byte;
-    lo = encode8(w, bs.encode);
-    hi = encode8(w + 4, bs.encode);
+    lo = encode8<E>(w, bs.encode);
+    hi = encode8<E>(w + 4, bs.encode);
 }
 
 // ---- swizzled block-scale layout (must match layout.py swizzled_scale_offset) ------------------------------
@@ -406,10 +498,11 @@ struct GlobalScaleOut {
     float* global_scale;
 };
 
-// Block reduction of the per-thread |h| maxima (bf16x2 bit patterns of |h|), then the last CTA to finish turns the
-// grid's max into ComfyUI's dynamic global scale g = fp32(bf16(amax * fp32(1/2688))) and re-arms the workspace, so
-// no host sync is needed: the pack reads g from memory. Every thread of the CTA must call it.
-template <int Threads>
+// Block reduction of the per-thread |h| maxima (bit patterns of |h| pairs of element type E), then the last CTA to
+// finish turns the grid's max into ComfyUI's dynamic global scale g = fp32(E(amax * fp32(1/2688))) and re-arms the
+// workspace, so no host sync is needed: the pack reads g from memory. Every thread of the CTA must call it.
+// For fp16 the rounding lands in the fp16 subnormals when amax < ~0.16 and on 0 when amax < ~8e-5 (as torch's does).
+template <int Threads, class E = Bf16>
 __device__ __forceinline__ void absmax_finish(const GlobalScaleOut& out, u32 acc) {
     u32 m = max(acc & 0xFFFFu, acc >> 16);
 #pragma unroll
@@ -432,7 +525,8 @@ __device__ __forceinline__ void absmax_finish(const GlobalScaleOut& out, u32 acc
         __threadfence();
         u32 amax_bits = atomicExch(&out.workspace[0], 0u);
         out.workspace[1] = 0;  // re-arm for the next launch on this stream
-        // torch: (amax_bf16 / 2688.0) -> bf16 computed as fp32(amax) * fp32(1/2688), then .to(float32)
-        out.global_scale[0] = bf16_to_f32(f32_to_bf16(__fmul_rn(bf16_to_f32((u16)amax_bits), 1.0f / 2688.0f)));
+        // torch: (amax / 2688.0) in the activation dtype, computed as fp32(amax) * fp32(1/2688) rounded once to that
+        // dtype, then .to(float32)
+        out.global_scale[0] = E::to_f32(E::round(__fmul_rn(E::to_f32((u16)amax_bits), 1.0f / 2688.0f)));
     }
 }

@@ -12,6 +12,12 @@
 // between them is IEEE (this file is compiled without fast math; _rn intrinsics prevent contraction). The rstd of
 // the normalized source and its global scale come from residual_norm.cu (h3_row_norm_*).
 //
+// Element types. The plain and prescale sources also read fp16 activations (models that compute in fp16, Wan by
+// default): PlainOf<F16> and PrescaleOf<F16>, h = fp16(x * p[c]) with p the table cast to fp16, and the global scale
+// rounded to fp16 (the _f16 entry points). Each source names its element type (Elem), which selects the
+// instructions of the block quantizer and of the global scale (nvfp4_common.cuh Bf16 / F16); the H3 sources
+// (modulate, norm-modulate, SwiGLU) read bf16 only.
+//
 //   nvfp4_absmax_*      one pass over h: amax|h| (NaN wins, as torch.amax); the LAST CTA to finish turns it into
 //                       the global scale g = fp32(bf16(amax * fp32(1/2688))), writes it to device memory and
 //                       re-arms its workspace (absmax_finish, nvfp4_common.cuh). No host sync: the pack kernel reads
@@ -50,7 +56,7 @@
 #endif
 
 struct SourceParams {
-    const u16* x;          // bf16 activation rows (SwiGLU: fc1 output, gate half first)
+    const u16* x;          // bf16 (plain, prescale: or fp16) activation rows (SwiGLU: fc1 output, gate half first)
     i64 x_row_stride;      // in elements
     i64 rows;              // M
     i64 cols;              // K, the packed width
@@ -63,7 +69,7 @@ struct SourceParams {
     const float* rstd;     // folded RMSNorm: per-row rstd (h3_row_norm_*), and its bf16 weight [K]
     union {                // one per-column bf16 table [K]: the two sources that read one never meet
         const u16* norm_weight;
-        const u16* prescale;  // PrescaleSource: the layer's pre_quant_scale cast to bf16
+        const u16* prescale;  // PrescaleOf: the layer's pre_quant_scale cast to the activation dtype
     };
 };
 
@@ -87,7 +93,9 @@ struct AbsmaxParams {
 
 // Each source splits its addressing into a per-row part (Row, formed once per row: the loop's stores would force
 // the row's index, rstd and table pointers to be re-read from memory for every block) and per-column loads.
-struct PlainSource {
+template <class E>
+struct PlainOf {
+    using Elem = E;
     static constexpr bool kScaleEvictLast = false;  // see store_scale_byte
     static constexpr bool kPairedRows = true;       // see pack_body
     static constexpr u32 kSegmentSteps = 1;  // one step of a row pair per unit of work (see pack_body)
@@ -100,11 +108,13 @@ struct PlainSource {
         w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
     }
 };
+using PlainSource = PlainOf<Bf16>;
 
 // ComfyUI: h[a:b].mul_(1.0 + scale[m]).add_(shift[m]) with bf16 tensors: three bf16 roundings, done here as
 // three bf16x2 operations (each one rounding, the same as torch's fp32 opmath for bf16 operands; see
 // nvfp4_common.cuh), two values per instruction.
 struct ModulateSource {
+    using Elem = Bf16;
     static constexpr bool kScaleEvictLast = false;
     static constexpr bool kPairedRows = true;
     static constexpr u32 kSegmentSteps = 0;  // whole row pairs (see pack_body)
@@ -126,6 +136,7 @@ struct ModulateSource {
 // RMSNorm folded in front of the modulation: n = bf16(w * (rstd * x)) with rstd from h3_row_norm_* (torch's
 // rms_norm output, element for element), then ModulateSource's three roundings.
 struct NormModulateSource {
+    using Elem = Bf16;
     static constexpr bool kScaleEvictLast = false;
     static constexpr bool kPairedRows = true;
     static constexpr u32 kSegmentSteps = 0;
@@ -145,9 +156,11 @@ struct NormModulateSource {
 };
 
 // ComfyUI's NVFP4 Linear with a pre_quant_scale (AWQ smoothing): input * pre_quant_scale cast to the input dtype,
-// one bf16 multiply (torch's fp32 opmath product of two bf16 values, exact, then one rounding: bf16x2_mul) per value.
-// The rows stream once; the [K] table is re-read by every row and stays in L1 / L2.
-struct PrescaleSource {
+// one multiply in that dtype (torch's fp32 opmath product of two bf16 or two fp16 values, exact, then one rounding:
+// E::mul_x2) per value. The rows stream once; the [K] table is re-read by every row and stays in L1 / L2.
+template <class E>
+struct PrescaleOf {
+    using Elem = E;
     static constexpr bool kScaleEvictLast = false;
     static constexpr bool kPairedRows = true;
     static constexpr u32 kSegmentSteps = 0;  // whole row pairs (not tuned: the text encoder's Linears)
@@ -158,9 +171,10 @@ struct PrescaleSource {
         u32x4 s = load_16B(p.prescale + col);
         const u32 xs[4] = {x.x, x.y, x.z, x.w}, ss[4] = {s.x, s.y, s.z, s.w};
 #pragma unroll
-        for (int i = 0; i < 4; ++i) w[i] = bf16x2_mul(xs[i], ss[i]);
+        for (int i = 0; i < 4; ++i) w[i] = E::mul_x2(xs[i], ss[i]);
     }
 };
+using PrescaleSource = PrescaleOf<Bf16>;
 
 // silu(gate) * up for a word of two gate and two up values, silu looked up: the table (kernels/cuda_ops.py builds it with torch's own silu on every bf16 value, so
 // it holds exactly what ComfyUI's silu returns) is copied into shared memory by nvfp4_pack_swiglu_table. Replaces
@@ -178,6 +192,7 @@ struct SiluLookedUp {
 // faster for the table pack than L1::no_allocate; the modulate packs gain nothing from it and keep the streaming
 // loads.
 struct SwigluRows {
+    using Elem = Bf16;
     static constexpr bool kScaleEvictLast = true;
     static constexpr bool kPairedRows = false;
     static constexpr u32 kSegmentSteps = 0;
@@ -255,7 +270,7 @@ __device__ __forceinline__ void absmax_body(const AbsmaxParams& p) {
             acc = abs_bits_max_x2(acc, w[i][3]);
         }
     }
-    absmax_finish<ABSMAX_THREADS>(p.out, acc);
+    absmax_finish<ABSMAX_THREADS, typename Source::Elem>(p.out, acc);
 }
 
 // SwiGLU global scale without evaluating silu where it cannot matter. |h| = |bf16(bf16(silu(g)) u)| <= bf16(|g u|):
@@ -396,7 +411,7 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
                 const u32 c = c0 + RowLanes * it + sublane;
                 const u32 col = c * 16;
                 u32 block_scale, lo, hi;
-                quantize_block16(w[it], g, rcp_g, block_scale, lo, hi);
+                quantize_block16<typename Source::Elem>(w[it], g, rcp_g, block_scale, lo, hi);
                 const bool in_cols = col < cols;
                 if (c >= seg_end) continue;
                 if (packed_row && in_cols) {
@@ -424,6 +439,11 @@ extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_
 extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_pack_norm_modulate(const PackParams p) { pack_body<NormModulateSource, 1>(p); }
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_prescale(const AbsmaxParams p) { absmax_body<PrescaleSource, 1>(p); }
 extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_pack_prescale(const PackParams p) { pack_body<PrescaleSource, 1>(p); }
+// fp16 activations: the same kernels with the fp16 element type (launch shapes as their bf16 twins)
+extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_plain_f16(const AbsmaxParams p) { absmax_body<PlainOf<F16>, PLAIN_ITEMS>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS, PLAIN_MIN_CTAS) nvfp4_pack_plain_f16(const PackParams p) { pack_body<PlainOf<F16>, PLAIN_ITEMS>(p); }
+extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_prescale_f16(const AbsmaxParams p) { absmax_body<PrescaleOf<F16>, 1>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_pack_prescale_f16(const PackParams p) { pack_body<PrescaleOf<F16>, 1>(p); }
 // One CTA per SM (the table takes 128 KB of shared memory); kernels/cuda_ops.py launches it where that fits.
 // The silu table (or its window) into shared memory with every 16-byte copy in flight at once (cp.async), then one
 // wait: a load-then-store loop waits for L2 once per iteration (8 times per thread for the 128 KB table).
