@@ -236,8 +236,9 @@ def quantized_linear_counts(name: str, *, width: str = "full", layers: int | Non
     """How many Linears an NVFP4 file of ``name`` quantizes, per block list (:func:`block_collection`), from the
     model class on the meta device: what scales a measurement at ``layers`` blocks to the full depth (lists the
     ``layers`` override leaves alone, like Z-Image's refiners, keep their count)."""
-    if name == "minimax_h3":
-        raise ValueError("MiniMax H3 is built by tools/synthetic.py; its full depth is measured by full_model.py")
+    if name == "minimax_h3":  # tools/synthetic.py's model: four NVFP4 Linears per DiT and token-refiner block
+        blocks = layers if layers is not None else (50 if width == "full" else 1)
+        return {"blocks": 4 * blocks, "token_refiner.blocks": 4 * min(blocks, 2)}
     counts: dict[str, int] = {}
     for module in quantized_linears(name, skeleton(name, family_config(name, width=width, layers=layers))):
         collection = block_collection(module)
