@@ -266,30 +266,62 @@ def call_counts(linears: dict) -> tuple[int, int]:
 
 # ---- Linear call windows: hooks on every NVFP4 Linear module -------------------------------------------------
 
+class CudaMarks:
+    """What the ncu child's windows are made of on the GPU: spin-kernel markers, profiler start / stop, and NVTX
+    ranges (these only label the run for Nsight Systems: left out where this torch build has none)."""
+
+    def __init__(self):
+        try:
+            torch.cuda.nvtx.range_push("nvtx check")
+            torch.cuda.nvtx.range_pop()
+            self.nvtx = True
+        except (RuntimeError, AttributeError):
+            self.nvtx = False
+
+    def marker(self, cycles: int = 1) -> None:
+        torch.cuda._sleep(cycles)
+
+    def profiler_start(self) -> None:
+        torch.cuda.cudart().cudaProfilerStart()
+
+    def profiler_stop(self) -> None:
+        torch.cuda.cudart().cudaProfilerStop()
+
+    def range_push(self, name: str) -> None:
+        if self.nvtx:
+            torch.cuda.nvtx.range_push(name)
+
+    def range_pop(self) -> None:
+        if self.nvtx:
+            torch.cuda.nvtx.range_pop()
+
+
 class LinearCalls:
     """Forward pre- and post-hooks on every NVFP4 Linear of a diffusion model: each call's layer, rows, width,
-    activation dtype and path (``fused`` when its fused Linear counted a fused call, else ``stock``), and under
-    ``marking`` the markers of the ncu windows (see the module docstring):
+    activation dtype and path (``fused`` when its fused Linear counted a fused call, else ``stock``), and with
+    ``marks`` (:class:`CudaMarks`) the ncu windows of ``marking`` (see the module docstring):
 
     * ``None``: record only;
     * ``"forward"``: a marker before and after each call (the whole forward is being profiled);
     * ``"linears"``: profiling started before each call and stopped after it, a marker opening each window."""
 
-    def __init__(self, diffusion_model):
+    def __init__(self, diffusion_model, marks=None):
         from h3_fused_nvfp4.core.patching import nvfp4_linears
 
         self.modules = nvfp4_linears(diffusion_model)
+        self.marks = marks
         self.fused: dict = {}
         self.marking: str | None = None
         self.calls: list[dict] = []
         self._before: tuple[int, int] | None = None
-        self._nvtx = torch.cuda.is_available() and nvtx_works()
         self._handles = []
         for name, module in self.modules.items():
             self._handles.append(module.register_forward_pre_hook(self._pre(name)))
             self._handles.append(module.register_forward_hook(self._post(name)))
 
     def start(self, fused: dict, marking: str | None) -> None:
+        if marking is not None and self.marks is None:
+            raise ValueError("marking ncu windows needs marks")
         self.fused, self.marking, self.calls = fused, marking, []
 
     def remove(self) -> None:
@@ -304,13 +336,11 @@ class LinearCalls:
             self.calls.append({"layer": name, "rows": x.numel() // x.shape[-1], "width": int(x.shape[-1]),
                                "element_bytes": x.element_size(), "dtype": str(x.dtype).replace("torch.", ""),
                                "static_scale": getattr(module, "input_scale", None) is not None})
-            if x.is_cuda:
-                if self._nvtx:
-                    torch.cuda.nvtx.range_push(f"nvfp4_linear {name}")
+            if self.marking is not None:
+                self.marks.range_push(f"nvfp4_linear {name}")
                 if self.marking == "linears":
-                    torch.cuda.cudart().cudaProfilerStart()
-                if self.marking is not None:
-                    torch.cuda._sleep(1)
+                    self.marks.profiler_start()
+                self.marks.marker()
         return hook
 
     def _post(self, name):
@@ -318,24 +348,13 @@ class LinearCalls:
             linear = self.fused.get(name)
             fused = linear is not None and self._before is not None and linear.calls_fused > self._before[0]
             self.calls[-1]["path"] = "fused" if fused else "stock"
-            if args[0].is_cuda:
-                if self.marking == "forward":
-                    torch.cuda._sleep(1)
-                elif self.marking == "linears":
-                    torch.cuda.cudart().cudaProfilerStop()
-                if self._nvtx:
-                    torch.cuda.nvtx.range_pop()
+            if self.marking == "forward":
+                self.marks.marker()
+            elif self.marking == "linears":
+                self.marks.profiler_stop()
+            if self.marking is not None:
+                self.marks.range_pop()
         return hook
-
-
-def nvtx_works() -> bool:
-    """Whether this torch build can push NVTX ranges (they only label the run for Nsight Systems: optional)."""
-    try:
-        torch.cuda.nvtx.range_push("nvtx check")
-        torch.cuda.nvtx.range_pop()
-        return True
-    except (RuntimeError, AttributeError):
-        return False
 
 
 def floor_bytes(call: dict) -> int:
@@ -444,38 +463,44 @@ def free_models() -> None:
 
 # ---- under Nsight Compute ------------------------------------------------------------------------------------
 
-def ncu_child(args, device: torch.device) -> int:
+def ncu_child(args, device: torch.device, marks=None) -> int:
     """One family under ncu: both arms warmed, then the stock forward profiled whole and the fused forward inside
-    its Linears; each arm's calls written to ``args.ncu_child`` for the parent."""
+    its Linears; each arm's calls written to ``args.ncu_child`` for the parent. ``marks``: :class:`CudaMarks`
+    (a test passes a recorder of the marks instead, on the CPU at tiny widths)."""
     from h3_fused_nvfp4.models import patch
 
+    marks = marks or CudaMarks()
     (name,) = args.families
-    tokens = args.text_tokens or FULL_TEXT_TOKENS
-    stock_patcher, _ = build_model(name, "full", args.layers, device, args.seed)
-    inputs = comfy_inputs(name, stock_patcher, "full", tokens, SIGMAS[0], device, args.seed + 1)
+    width = "tiny" if args.tiny else "full"
+    tokens = args.text_tokens or (7 if args.tiny else FULL_TEXT_TOKENS)
+    stock_patcher, _ = build_model(name, width, args.layers, device, args.seed)
+    inputs = comfy_inputs(name, stock_patcher, width, tokens, SIGMAS[0], device, args.seed + 1)
     stock = Arm("stock", stock_patcher, device)
     for _ in range(2):
         stock.forward(inputs, "warm-up", SIGMAS[0])
-    fused_patcher, _ = patch.apply_fused(stock_patcher, "block")
+    fused_patcher, _ = patch.apply_fused(stock_patcher, "block", allow_reference_backend=args.tiny)
     fused = Arm("fused", fused_patcher, device)
     fused.forward(inputs, "warm-up", SIGMAS[0])
-    recorder = LinearCalls(stock_patcher.model.diffusion_model)
-    arms = []
+    recorder = LinearCalls(stock_patcher.model.diffusion_model, marks)
+
     def open_forward_window():
-        torch.cuda.cudart().cudaProfilerStart()
-        torch.cuda._sleep(1000)
+        marks.profiler_start()
+        marks.marker(1000)
 
-    def close_window():
-        torch.cuda.cudart().cudaProfilerStop()
-
+    arms = []
     for arm, linears, marking in ((stock, {}, "forward"), (fused, fused_linears(fused_patcher), "linears")):
         recorder.start(linears, marking)
         arm.forward(inputs, "profiled", SIGMAS[0], before_call=open_forward_window if marking == "forward" else None,
-                    after_call=close_window)
+                    after_call=marks.profiler_stop)
         arms.append({"arm": arm.name, "scope": marking, "calls": recorder.calls})
     recorder.remove()
     pathlib.Path(args.ncu_child).write_text(json.dumps({"family": name, "arms": arms}))
     return 0
+
+
+def expected_windows(arms: list[dict]) -> int:
+    """Marker windows the child's arms open: the whole stock forward 1 + 2 per call, the fused Linears 1 per call."""
+    return sum(1 + 2 * len(a["calls"]) if a["scope"] == "forward" else len(a["calls"]) for a in arms)
 
 
 def linear_window_roles(kernels: list[dict], activation_bytes: int) -> list[str]:
@@ -616,7 +641,7 @@ def dram_section(name: str, args) -> dict:
         if not sidecar.exists():
             return {"error": "the ncu child wrote no call list", "seconds": seconds}
         arms = json.loads(sidecar.read_text())["arms"]
-    expected = sum(1 + 2 * len(a["calls"]) if a["scope"] == "forward" else len(a["calls"]) for a in arms)
+    expected = expected_windows(arms)
     if len(windows) != expected:
         return {"error": f"{len(windows)} marker windows in the ncu output, {expected} expected from the calls",
                 "seconds": seconds}
@@ -735,7 +760,8 @@ def main(argv=None) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     comfy_env.force_nvfp4_compute(args.dtype)
     if args.ncu_child:
-        return ncu_child(args, device)
+        with fam.detection_reads_metadata() if args.tiny else contextlib.nullcontext():
+            return ncu_child(args, device)
     out_path = pathlib.Path(args.out or pathlib.Path(os.environ.get("OUT", ROOT / "benchmarks" / "out"))
                             / ("families-tiny.json" if args.tiny else "families.json"))
     run_ncu = device.type == "cuda" and not args.no_ncu

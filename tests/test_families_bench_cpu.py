@@ -194,3 +194,49 @@ def test_copy_ahead_of_the_pack_is_input_layout_or_weight_cast_by_what_it_reads(
     tail = ["input_path", "input_path", "emulation_dequant", "gemm", "after_gemm"]
     assert bench.linear_window_roles(kernels(X), X) == ["input_path", *tail]
     assert bench.linear_window_roles(kernels(4096), X) == ["weight_cast", *tail]
+
+
+class RecordingMarks:
+    """Stands in for CudaMarks on the CPU: the sequence of marks the ncu child would make."""
+
+    def __init__(self):
+        self.events = []
+
+    def marker(self, cycles=1):
+        self.events.append("marker")
+
+    def profiler_start(self):
+        self.events.append("start")
+
+    def profiler_stop(self):
+        self.events.append("stop")
+
+    def range_push(self, name):
+        self.events.append("push")
+
+    def range_pop(self):
+        self.events.append("pop")
+
+
+@requires_comfyui
+def test_ncu_child_opens_the_windows_the_parent_expects(bench, force_nvfp4_compute, clean_models, tmp_path):
+    """The child's marks, replayed the way ncu sees them (kernels between profiler start and stop, a window opened
+    at each spin kernel), give the parent's window count; every marker lies inside a profiled range."""
+    sidecar = tmp_path / "calls.json"
+    args = bench.parse_args(["--tiny", "--families", "flux2_klein", "--ncu-child", str(sidecar)])
+    marks = RecordingMarks()
+    assert bench.ncu_child(args, bench.torch.device("cpu"), marks=marks) == 0
+    arms = json.loads(sidecar.read_text())["arms"]
+    assert [(a["arm"], a["scope"]) for a in arms] == [("stock", "forward"), ("fused", "linears")]
+    stock_calls, fused_calls = (a["calls"] for a in arms)
+    assert len(stock_calls) == len(fused_calls) == 20  # 2 double blocks x 8 + 2 single blocks x 2
+    assert {c["path"] for c in stock_calls} == {"stock"} and {c["path"] for c in fused_calls} == {"fused"}
+    profiling, windows = False, 0
+    for event in marks.events:
+        if event in ("start", "stop"):
+            profiling = event == "start"
+        elif event == "marker":
+            assert profiling, "a marker outside the profiled ranges opens no window"
+            windows += 1
+    assert windows == bench.expected_windows(arms) == 1 + 2 * 20 + 20
+    assert marks.events.count("push") == marks.events.count("pop") == 40
