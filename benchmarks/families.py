@@ -720,6 +720,14 @@ def print_table(rows: list[dict]) -> None:
         print("  ".join(str(v).ljust(w) for v, w in zip(line, widths)))
 
 
+def write_shared(result: dict, out_path: pathlib.Path, comfy_root: pathlib.Path) -> None:
+    """The JSON, made to be shared: no local path of this machine (the pack, ComfyUI, Python, the home and current
+    folders)."""
+    shared = rep.without_local_paths(json.loads(json.dumps(result, default=str)), rep.local_paths(comfy_root))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(shared, indent=1) + "\n")
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", type=lambda s: [n for n in s.split(",") if n], default=list(DEFAULT_FAMILIES),
@@ -738,6 +746,8 @@ def parse_args(argv):
                                                     "benchmarks/out/families.json)")
     parser.add_argument("--ncu-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if not args.families:
+        parser.error("--families names no family")
     unknown = [n for n in args.families if n not in fam.FAMILIES]
     if unknown:
         parser.error(f"unknown families {unknown}; known: {', '.join(fam.FAMILIES)}")
@@ -800,17 +810,15 @@ def main(argv=None) -> int:
             if "error" in section["dram"]:
                 log(f"{name}: ncu: {section['dram']['error'][:500]}")
             else:
-                log(f"{name}: ncu {section['dram']['summary']}")
+                log(f"{name}: ncu in {section['dram']['seconds']} s: {section['dram'].get('summary')}")
         ok = ok and "error" not in section and section["parity"]["total_differing_elements"] == 0
         result["families"][name] = section
-        log(f"{name}: done in {section['seconds']} s")
-    result["summary"] = [summary_row(n, s) for n, s in result["families"].items()]
-    result["ok"] = ok
-    # Made to be shared: no local path of this machine (the pack, ComfyUI, Python, the home and current folders).
-    shared = rep.without_local_paths(json.loads(json.dumps(result, default=str)), rep.local_paths(info.location.root))
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(shared, indent=1) + "\n")
-    log(f"wrote {out_path}")
+        result["summary"] = [summary_row(n, s) for n, s in result["families"].items()]
+        result["ok"] = ok
+        result["complete"] = name == args.families[-1]
+        # after each family: a run stopped by its time limit keeps what it measured
+        write_shared(result, out_path, info.location.root)
+        log(f"{name}: done in {section['seconds']} s; wrote {out_path}")
     if args.tiny:
         print("tiny widths on the CPU: a wiring check (Python twin of the kernels, no Nsight Compute, "
               "no speed figures)")
