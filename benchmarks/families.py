@@ -370,6 +370,7 @@ def floor_bytes(call: dict) -> int:
 # ---- the measured run of one family --------------------------------------------------------------------------
 
 def measure_family(name: str, args, device: torch.device) -> dict:
+    """Steps 1-4 of the module docstring for one family: its JSON section."""
     from h3_fused_nvfp4.models import patch
 
     width = "tiny" if args.tiny else "full"
