@@ -57,26 +57,6 @@ def log(msg: str) -> None:
     print(f"[full_model {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def differing(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Differing elements as bit patterns (NaN == NaN of the same bits, -0.0 != 0.0)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        raise AssertionError(f"outputs of other shapes / dtypes: {tuple(a.shape)} {a.dtype} "
-                             f"vs {tuple(b.shape)} {b.dtype}")
-    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return int((a.contiguous().view(view) != b.contiguous().view(view)).sum())
-
-
-def force_nvfp4_compute() -> None:
-    """Load as ComfyUI does on a Blackwell GPU: NVFP4 activations on, bf16 diffusion model (tests/comfy_harness.py
-    ``force_nvfp4_compute``)."""
-    import comfy.model_management as mm
-    from comfy.cli_args import args
-
-    mm.supports_nvfp4_compute = lambda *a, **k: True
-    mm.should_use_bf16 = lambda *a, **k: True
-    args.bf16_unet = True
-
-
 def make_inputs(cfg: dict, dm, device, seed: int):
     t, h, w = cfg["latent"]
     gen = torch.Generator().manual_seed(seed)
@@ -177,9 +157,9 @@ def main(argv=None) -> int:
     import comfy.model_management as mm
 
     from h3_fused_nvfp4.models import patch
-    from h3_fused_nvfp4.tools.report import device_info
+    from h3_fused_nvfp4.tools.report import device_info, differing
 
-    force_nvfp4_compute()
+    comfy_env.force_nvfp4_compute("bf16")
     if not args.tiny and mm.get_torch_device() != device:
         raise RuntimeError(f"ComfyUI's device is {mm.get_torch_device()}, expected {device}")
     result = {"benchmark": "whole MiniMax H3 model, ComfyUI stock vs fused (Patch node), one forward",

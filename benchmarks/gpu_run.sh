@@ -18,6 +18,11 @@
 #                  sage backend, stock vs fused, bits, layout copies, times -> sage-block.json (~4-6 min)
 #   full-model     benchmarks/full_model.py: the whole 50-block model at full size, stock vs the Patch node's
 #                  clone, one forward per sigma, time and peak memory -> full-model.json (~3-5 min)
+#   families       benchmarks/families.py: each NVFP4 model family (Z-Image, FLUX.2 klein and dev, Wan 2.2 14B,
+#                  LTX-2, Qwen-Image) at its official widths with 2 blocks, stock vs the Patch node's clone: parity,
+#                  calls fused, time, peak memory, and under ncu the Linear input path's DRAM bytes against its floor
+#                  -> families.json. FAMILIES=a,b picks families, FAMILIES_ARGS adds arguments (--no-ncu, --layers N,
+#                  --dtype bf16), FAMILIES_TIMEOUT (default 560 s) is its time limit
 #
 #   STEPS="sage full-model" bash benchmarks/gpu_run.sh   (carry .third_party, .whl and .device)
 #
@@ -70,6 +75,8 @@ for step in ${STEPS:-tests report}; do
               -q -rs -s -p no:cacheprovider ${PYTEST_ARGS:-} >> "$OUT/sage.log" 2>&1; rc=$?
             grep -E "^sage block:|passed|failed|skipped|Error" "$OUT/sage.log" | tail -6
           fi ;;
+    families) timeout "${FAMILIES_TIMEOUT:-560}" python3 benchmarks/families.py ${FAMILIES:+--families "$FAMILIES"} \
+             ${FAMILIES_ARGS:-} --out "$OUT/families.json" > "$OUT/families.log" 2>&1; rc=$?; tail -10 "$OUT/families.log" ;;
     full-model) timeout "$STEP_TIMEOUT" python3 benchmarks/full_model.py --out "$OUT/full-model.json" > "$OUT/full-model.log" 2>&1
              rc=$?; tail -4 "$OUT/full-model.log" ;;
     *) echo "unknown step $step"; rc=2 ;;

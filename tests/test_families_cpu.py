@@ -14,7 +14,6 @@ full-width detection of every family is checked on shape-only (meta) checkpoints
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
@@ -42,20 +41,11 @@ def apply_fused(model_patcher):
 
 
 @pytest.fixture
-def detection_reads_metadata(comfyui, monkeypatch):
+def detection_reads_metadata(comfyui):
     """ComfyUI's detection, with the file's metadata transformer config merged for every family (tiny Z-Image and
     Qwen-Image files are otherwise taken for their official widths)."""
-    import comfy.model_detection as md
-
-    original = md.detect_unet_config
-
-    def detect(state_dict, key_prefix, metadata=None):
-        config = original(state_dict, key_prefix, metadata=metadata)
-        if config is not None and metadata is not None and "config" in metadata:
-            config.update(json.loads(metadata["config"]).get("transformer", {}))
-        return config
-
-    monkeypatch.setattr(md, "detect_unet_config", detect)
+    with fam.detection_reads_metadata():
+        yield
 
 
 class LogCapture(logging.Handler):

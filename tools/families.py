@@ -24,6 +24,7 @@ they are.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -182,10 +183,14 @@ def family_metadata(name: str, config: dict) -> dict:
 
 def family_state_dict(name: str, *, width: str = "tiny", layers: int | None = None, seed: int = 0,
                       device: str = "cpu") -> tuple[dict, dict]:
-    """``(state_dict, metadata)`` of a random-weight NVFP4 checkpoint of family ``name``.
+    """``(state_dict, metadata)`` of a random-weight NVFP4 checkpoint of family ``name``, its tensors on the CPU
+    like a loaded file.
 
-    ``device="meta"``: shapes and dtypes only (quantized entries as :func:`nvfp4_entry_shapes`), for checking what
-    ComfyUI's detection makes of a full-width file without building one.
+    ``device``: where the random weights are drawn and quantized, one tensor at a time, each moved to the CPU right
+    away (a full-width file on a GPU: seconds instead of a minute of CPU random numbers and quantization; the
+    random streams differ between devices). ``device="meta"``: shapes and dtypes only (quantized entries as
+    :func:`nvfp4_entry_shapes`), for checking what ComfyUI's detection makes of a full-width file without building
+    one.
     """
     if name == "minimax_h3":
         return _h3_state_dict(width=width, layers=layers, seed=seed, device=device)
@@ -193,36 +198,82 @@ def family_state_dict(name: str, *, width: str = "tiny", layers: int | None = No
     model = skeleton(name, config)
     quantized = set(quantized_linears(name, model))
     modules = dict(model.named_modules())
-    gen = torch.Generator().manual_seed(int(seed))
+    meta = str(device) == "meta"
+    draw = "cpu" if meta else device
+    gen = torch.Generator(device=draw).manual_seed(int(seed))
     sd = {}
     for key, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         owner, _, leaf = key.rpartition(".")
         shape = tuple(tensor.shape)
         if owner in quantized and leaf == "weight":
             layer = modules[owner]
-            if device == "meta":
+            if meta:
                 sd.update(nvfp4_entry_shapes(owner, layer.out_features, layer.in_features))
             else:
-                weight = random_weight(shape, gen, "cpu", layer.in_features ** -0.5)
-                sd.update(nvfp4_checkpoint_entries(owner, weight))
+                weight = random_weight(shape, gen, draw, layer.in_features ** -0.5)
+                sd.update({k: v.cpu() for k, v in nvfp4_checkpoint_entries(owner, weight).items()})
+                del weight
             continue
-        dtype = tensor.dtype if tensor.is_floating_point() else tensor.dtype
-        if device == "meta":
+        dtype = tensor.dtype
+        if meta:
             sd[key] = torch.empty(shape, dtype=dtype, device="meta")
         elif tensor.is_floating_point():
             std, mean = _std(key, shape)
-            sd[key] = random_weight(shape, gen, "cpu", std, dtype=dtype, mean=mean)
+            sd[key] = random_weight(shape, gen, draw, std, dtype=dtype, mean=mean).cpu()
         else:
             sd[key] = torch.zeros(shape, dtype=dtype)
     return sd, family_metadata(name, config)
 
 
+def block_collection(module_name: str) -> str:
+    """The repeated-block list a module belongs to ("double_blocks.3.img_attn.qkv" -> "double_blocks"; a module
+    outside any block list: its own name)."""
+    match = re.match(r"^(.*?)\.\d+(\.|$)", module_name)
+    return match.group(1) if match else module_name
+
+
+def quantized_linear_counts(name: str, *, width: str = "full", layers: int | None = None) -> dict[str, int]:
+    """How many Linears an NVFP4 file of ``name`` quantizes, per block list (:func:`block_collection`), from the
+    model class on the meta device: what scales a measurement at ``layers`` blocks to the full depth (lists the
+    ``layers`` override leaves alone, like Z-Image's refiners, keep their count)."""
+    if name == "minimax_h3":  # tools/synthetic.py's model: four NVFP4 Linears per DiT and token-refiner block
+        blocks = layers if layers is not None else (50 if width == "full" else 1)
+        return {"blocks": 4 * blocks, "token_refiner.blocks": 4 * min(blocks, 2)}
+    counts: dict[str, int] = {}
+    for module in quantized_linears(name, skeleton(name, family_config(name, width=width, layers=layers))):
+        collection = block_collection(module)
+        counts[collection] = counts.get(collection, 0) + 1
+    return counts
+
+
+@contextlib.contextmanager
+def detection_reads_metadata():
+    """ComfyUI's detection with the file's metadata transformer config merged for every family, as its LTX-2, Wan
+    and H3 branches do (tiny Z-Image and Qwen-Image files are otherwise taken for their official widths)."""
+    import comfy.model_detection as md
+
+    original = md.detect_unet_config
+
+    def detect(state_dict, key_prefix, metadata=None):
+        config = original(state_dict, key_prefix, metadata=metadata)
+        if config is not None and metadata is not None and "config" in metadata:
+            config.update(json.loads(metadata["config"]).get("transformer", {}))
+        return config
+
+    md.detect_unet_config = detect
+    try:
+        yield
+    finally:
+        md.detect_unet_config = original
+
+
 def _h3_state_dict(*, width: str, layers: int | None, seed: int, device: str) -> tuple[dict, dict]:
-    if device == "meta":
-        raise ValueError("MiniMax H3 is built by tools/synthetic.py on the CPU only")
+    if str(device) == "meta":
+        raise ValueError("MiniMax H3 is built by tools/synthetic.py with real tensors only")
     dims = _H3_DIMS[width]
     n = layers if layers is not None else (50 if width == "full" else 1)
-    sd = syn.model_state_dict(dims, num_layers=n, refiner_layers=min(n, 2), text_dim=_H3_TEXT_DIM[width], seed=seed)
+    sd = syn.model_state_dict(dims, num_layers=n, refiner_layers=min(n, 2), text_dim=_H3_TEXT_DIM[width], seed=seed,
+                              device=device)
     config = dict(hidden_size=dims.hidden, num_layers=n, token_refiner_num_layers=min(n, 2),
                   num_attention_heads=dims.heads, attention_head_dim=dims.head_dim, ffn_hidden_size=dims.ffn)
     return sd, family_metadata("minimax_h3", config)

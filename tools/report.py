@@ -219,6 +219,15 @@ def by_category(kernels: list[dict]) -> dict:
     return {c: {"launches": v["launches"], "ms": round(v["ms"], 4)} for c, v in sorted(out.items())}
 
 
+def differing(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Differing elements as bit patterns (NaN == NaN of the same bits, -0.0 != 0.0)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise AssertionError(f"outputs of other shapes / dtypes: {tuple(a.shape)} {a.dtype} "
+                             f"vs {tuple(b.shape)} {b.dtype}")
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return int((a.contiguous().view(view) != b.contiguous().view(view)).sum())
+
+
 # ---- the blocks --------------------------------------------------------------------------------------------
 
 class BlockChain:
@@ -465,23 +474,44 @@ def _parse_ncu(text: str) -> list[list[dict]]:
     return windows
 
 
+def ncu_command(script: pathlib.Path, child_args: list[str]) -> list[str]:
+    """The Nsight Compute command that runs ``script`` with ``child_args``: this report's metrics per kernel, clocks
+    left as they are, and only the kernels between ``cudaProfilerStart`` and ``cudaProfilerStop``."""
+    ncu = os.environ.get("NCU", "ncu")
+    return [ncu, "--csv", "--metrics", NCU_METRICS, "--clock-control", "none", "--profile-from-start", "off",
+            sys.executable, str(script), *child_args]
+
+
+def run_ncu(cmd: list[str], timeout: float) -> tuple[list[list[dict]] | None, str | None]:
+    """Run an :func:`ncu_command` (self-check skipped: the child measures, the parent's run checks) and split its
+    kernels at the :data:`MARKER` spin kernels: ``(windows, None)``, each kernel with ``bytes`` (DRAM read +
+    written) and ``ms``, or ``(None, why not)``."""
+    env = dict(os.environ, H3_FUSED_NVFP4_SELFCHECK="skip")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except (OSError, subprocess.SubprocessError) as exc:  # ncu missing or past its time: the rest of the report stays
+        return None, f"ncu did not run: {type(exc).__name__}: {exc}"
+    if proc.returncode != 0 or '"ID"' not in proc.stdout:
+        return None, f"ncu failed ({proc.returncode}): {(proc.stderr or proc.stdout)[-2000:]}"
+    windows = _parse_ncu(proc.stdout)
+    for kernels in windows:
+        for k in kernels:
+            k["bytes"] = k.get("dram__bytes_read.sum", 0.0) + k.get("dram__bytes_write.sum", 0.0)
+            k["ms"] = k.get("gpu__time_duration.sum", 0.0)
+    return windows, None
+
+
 def dram_bytes(args) -> dict:
     """Run this report's ncu child under Nsight Compute and turn its CSV into bytes per kernel and category."""
-    ncu = os.environ.get("NCU", "ncu")
-    env = dict(os.environ, H3_FUSED_NVFP4_SELFCHECK="skip")
-    cmd = [ncu, "--csv", "--metrics", NCU_METRICS, "--clock-control", "none", "--profile-from-start", "off",
-           sys.executable, str(PACK_ROOT / "report.py"), "--ncu-child"]
+    child = ["--ncu-child"]
     if args.all_static:
-        cmd.append("--all-static")
+        child.append("--all-static")
     for layer in args.static_layers or ():
-        cmd += ["--static-layers", layer]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.ncu_timeout)
-    except (OSError, subprocess.SubprocessError) as exc:  # ncu missing or past its time: the rest of the report stays
-        return {"error": f"ncu did not run: {type(exc).__name__}: {exc}", "command": shlex.join(cmd)}
-    if proc.returncode != 0 or '"ID"' not in proc.stdout:
-        return {"error": f"ncu failed ({proc.returncode}): {(proc.stderr or proc.stdout)[-2000:]}"}
-    windows = _parse_ncu(proc.stdout)
+        child += ["--static-layers", layer]
+    cmd = ncu_command(PACK_ROOT / "report.py", child)
+    windows, error = run_ncu(cmd, args.ncu_timeout)
+    if error is not None:
+        return {"error": error, "command": shlex.join(cmd)}
     if len(windows) != 2:
         return {"error": f"expected 2 measured windows in the ncu output, found {len(windows)}"}
     out = {"command": shlex.join(cmd), "tool": "Nsight Compute",
@@ -490,8 +520,6 @@ def dram_bytes(args) -> dict:
         names = [k["kernel"] for k in kernels]
         for k, cat in zip(kernels, label_kernels(names)):
             k["category"] = cat
-            k["bytes"] = k.get("dram__bytes_read.sum", 0.0) + k.get("dram__bytes_write.sum", 0.0)
-            k["ms"] = k.get("gpu__time_duration.sum", 0.0)
         rest = [k for k in kernels if k["category"] not in NOT_ELEMENTWISE]
         total = sum(k["bytes"] for k in rest)
         out[arm] = {
