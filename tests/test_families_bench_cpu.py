@@ -19,13 +19,14 @@ SELFCHECK_ENV = "H3_FUSED_NVFP4_SELFCHECK"
 
 
 @requires_comfyui
-def test_tiny_run_two_families_bit_identical_and_fully_fused(tmp_path):
+def test_tiny_run_three_families_bit_identical_and_fully_fused(tmp_path):
+    """Z-Image and FLUX.2 compute in bf16, Wan in fp16 (ComfyUI's choice for it): every call fused in each."""
     out = tmp_path / "families-tiny.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--families", "z_image,flux2_klein", "--reps", "1",
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--families", "z_image,flux2_klein,wan22_14b", "--reps", "1",
                            "--out", str(out)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["ok"] and list(result["families"]) == ["z_image", "flux2_klein"]
+    assert result["ok"] and list(result["families"]) == ["z_image", "flux2_klein", "wan22_14b"]
     assert "no" in result["settings"]["ncu"] and "tiny" in result["settings"]["width"]
     for name, section in result["families"].items():
         assert section["parity"]["total_differing_elements"] == 0, (name, section["parity"])
@@ -34,10 +35,11 @@ def test_tiny_run_two_families_bit_identical_and_fully_fused(tmp_path):
         assert calls["fused_share"] == 1.0 and calls["stock"] == 0 and calls["nvfp4_linear_calls"] > 0, calls
         assert calls["every_call_seen_by_the_module_hooks"] and calls["same_in_every_compared_forward"], calls
         assert section["patch"]["fused_linears"] == section["patch"]["nvfp4_linears"] > 0
-        assert section["dtype"] == "bfloat16" and section["dtype_choice"] == "ComfyUI's choice"
+        assert section["dtype"] == ("float16" if name == "wan22_14b" else "bfloat16"), (name, section["dtype"])
+        assert section["dtype_choice"] == "ComfyUI's choice"
         assert [f["label"] for f in section["fused"]["forwards"]] == ["first", "compared", "timed"]
     assert str(REPO_ROOT) not in out.read_text() and str(tmp_path) not in out.read_text()
-    assert proc.stdout.strip().splitlines()[-1].startswith("flux2_klein")  # the table comes last
+    assert proc.stdout.strip().splitlines()[-1].startswith("wan22_14b")  # the table comes last
 
 
 # ---- the ncu attribution, on a made-up profile -----------------------------------------------------------------
