@@ -20,13 +20,14 @@ DEVICES = ["cpu", pytest.param("cuda", marks=GPU)]
 K, N = 256, 96
 
 
-def layer_and_fused(device, static=None):
-    layer = syn.make_nvfp4_linear(K, N, seed=fresh_seed(), device=device, input_scale=static, bias=True)
+def layer_and_fused(device, static=None, dtype=torch.bfloat16):
+    layer = syn.make_nvfp4_linear(K, N, seed=fresh_seed(), device=device, input_scale=static, bias=True,
+                                  compute_dtype=dtype)
     return layer, FusedNVFP4Linear(layer, "layer")
 
 
-def values(*shape, device):
-    return (torch.randn(*shape, device=device) * 2).to(torch.bfloat16)
+def values(*shape, device, dtype=torch.bfloat16):
+    return (torch.randn(*shape, device=device) * 2).to(dtype)
 
 
 def run_both(layer, fused, x):
@@ -40,9 +41,10 @@ def run_both(layer, fused, x):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(37, K), (2, 19, K), (2, 3, 5, K), (1, 1, 1, 1, K)])
 @pytest.mark.parametrize("static", [None, 0.02])
-def test_n_d_inputs(device, shape, static):
-    layer, fused = layer_and_fused(device, static)
-    stock, out = run_both(layer, fused, values(*shape, device=device))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_n_d_inputs(device, shape, static, dtype):
+    layer, fused = layer_and_fused(device, static, dtype)
+    stock, out = run_both(layer, fused, values(*shape, device=device, dtype=dtype))
     assert out.shape == stock.shape == (*shape[:-1], N)
     assert_bit_identical(out, stock, f"{shape}")
     assert fused.calls_stock == 0 and fused.calls_fused == 2
