@@ -8,6 +8,7 @@ median times over alternating repeats, the ratio, bytes moved and achieved bandw
 device-to-device copy, and kernel launches per projection from torch.profiler.
 
 Usage: python benchmarks/bench_pack.py --out benchmarks/h200-pack.json
+       python benchmarks/bench_pack.py --shapes wan --dtype fp16 --out F   # Wan 2.2 14B's Linear inputs in fp16
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ from h3_fused_nvfp4.tools.report import (  # noqa: E402
     warm_up_gpu,
 )
 
-ROWS = sum(syn.FULL_TOKENS)  # 37,810: the 1344x768, 124-frame layout
-WIDTHS = (5376, 7168, 14336)  # out_proj / qkv_proj and fc1 inputs, fc2 input
+# rows and Linear input widths: H3 at 1344x768, 124 frames (37,810 tokens: out_proj / qkv_proj and fc1, fc2 input);
+# Wan 2.2 14B at 832x480, 81 frames (21 x 30 x 52 = 32,760 tokens: attention and ffn.0 inputs, ffn.2 input)
+SHAPES = {"h3": (sum(syn.FULL_TOKENS), (5376, 7168, 14336)), "wan": (21 * 30 * 52, (5120, 13824))}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def kernel_times_ms(fn, reps=10):
@@ -68,7 +71,11 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "pack.json"))
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="h3")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype")
     args = parser.parse_args()
+    rows, widths = SHAPES[args.shapes]
+    dtype = DTYPES[args.dtype]
     comfy_env.import_comfyui()
     from comfy.quant_ops import TensorCoreNVFP4Layout
 
@@ -77,8 +84,8 @@ def main():
     copy_gbs = copy_bandwidth_gbs()
     results = []
     w2 = torch.tensor([2.5e-4], dtype=torch.float32, device="cuda")
-    for k in WIDTHS:
-        x = (torch.randn(ROWS, k, device="cuda") * 2).to(torch.bfloat16)
+    for k in widths:
+        x = (torch.randn(rows, k, device="cuda") * 2).to(dtype)
         static = torch.tensor([0.01], dtype=torch.float32, device="cuda")
 
         def comfy_dynamic():
@@ -112,7 +119,7 @@ def main():
                 samples[name] += time_ms(fn, reps=args.reps // 3 or 1)
         med = {name: statistics.median(v) for name, v in samples.items()}
 
-        in_bytes = ROWS * k * 2
+        in_bytes = rows * k * x.element_size()
         out_bytes = f.qdata.numel() + f.block_scales.numel()
         # Per fused kernel (profiler durations): the reduction reads the input once, the pack reads it again and
         # writes the output.
@@ -120,7 +127,7 @@ def main():
         reduction_ms = next(v for n, v in kernels.items() if n.startswith("nvfp4_absmax"))
         pack_ms = next(v for n, v in kernels.items() if n.startswith("nvfp4_pack"))
         row = {
-            "rows": ROWS, "cols": k,
+            "rows": rows, "cols": k, "dtype": str(dtype).removeprefix("torch."),
             "bit_identical_dynamic": equal, "bit_identical_static": equal_static,
             "median_ms": med,
             "speedup_dynamic": med["comfy_dynamic"] / med["fused_dynamic"],

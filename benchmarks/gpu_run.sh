@@ -10,6 +10,7 @@
 #   report         python report.py --dram (dynamic scales)         -> report.json
 #   report-static  python report.py --dram --all-static            -> report-static.json
 #   bench-pack     benchmarks/bench_pack.py                        -> pack.json
+#   bench-pack-fp16 benchmarks/bench_pack.py --shapes wan --dtype fp16 (Wan 2.2 14B's inputs) -> pack-fp16.json
 #   bench-rope     benchmarks/bench_rope.py                        -> rope.json
 #   trade          benchmarks/calibration_trade.py                 -> calibration-trade.json
 #   sage           builds SageAttention 2 from .third_party/SageAttention (benchmarks/build_sageattention.sh, local
@@ -61,6 +62,8 @@ for step in ${STEPS:-tests report}; do
              > "$OUT/report-static.log" 2>&1; rc=$?; tail -8 "$OUT/report-static.log" ;;
     bench-pack) timeout "$STEP_TIMEOUT" python3 benchmarks/bench_pack.py --out "$OUT/pack.json" > "$OUT/pack.log" 2>&1
              rc=$?; tail -12 "$OUT/pack.log" ;;
+    bench-pack-fp16) timeout "$STEP_TIMEOUT" python3 benchmarks/bench_pack.py --shapes wan --dtype fp16 \
+             --out "$OUT/pack-fp16.json" > "$OUT/pack-fp16.log" 2>&1; rc=$?; tail -8 "$OUT/pack-fp16.log" ;;
     bench-rope) timeout "$STEP_TIMEOUT" python3 benchmarks/bench_rope.py --out "$OUT/rope.json" > "$OUT/rope.log" 2>&1
              rc=$?; tail -3 "$OUT/rope.log" ;;
     trade) timeout "$STEP_TIMEOUT" python3 benchmarks/calibration_trade.py --out "$OUT/calibration-trade.json" \

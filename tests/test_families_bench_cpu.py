@@ -22,8 +22,9 @@ SELFCHECK_ENV = "H3_FUSED_NVFP4_SELFCHECK"
 def test_tiny_run_three_families_bit_identical_and_fully_fused(tmp_path):
     """Z-Image and FLUX.2 compute in bf16, Wan in fp16 (ComfyUI's choice for it): every call fused in each."""
     out = tmp_path / "families-tiny.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--families", "z_image,flux2_klein,wan22_14b", "--reps", "1",
-                           "--out", str(out)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--families", "z_image,flux2_klein,wan22_14b",
+                           "--reps", "1", "--out", str(out)], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["ok"] and list(result["families"]) == ["z_image", "flux2_klein", "wan22_14b"]
