@@ -1,5 +1,6 @@
 """NVFP4 layouts and the types shared by the CUDA kernels (kernels/), their Python twin (kernels/twin_ops.py) and the
-integration. A leaf module: it imports nothing of this package.
+integration, and the source rules both implementations of the fused pack share (:func:`source_refusal`). A leaf
+module: it imports nothing of this package.
 
 Layouts (must match kernels/csrc/nvfp4_common.cuh, comfy-kitchen's quantize_nvfp4 and cuBLASLt's NVFP4 operands):
 
@@ -88,6 +89,37 @@ class RmsNorm:
     weight: torch.Tensor
     eps: float
     rstd: torch.Tensor
+
+
+# Activation dtypes of the packs: the plain and pre_quant_scale sources read either; the H3 sources (modulation,
+# RMSNorm, SwiGLU) read bf16 only.
+PACK_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def source_refusal(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulation | None = None,
+                   norm: RmsNorm | None = None, prescale: torch.Tensor | None = None) -> str | None:
+    """Why no implementation of the fused pack (kernels/cuda_ops.py, kernels/twin_ops.py) takes this source: the
+    dtype, shape and combination rules both share (None: these hold; each adds its own, such as alignment)."""
+    if x.dtype not in PACK_DTYPE_NAMES:
+        return f"the activation is {x.dtype}, the fused pack takes bfloat16 or float16"
+    if x.dtype != torch.bfloat16 and (swiglu or modulation is not None or norm is not None):
+        return (f"the activation is {x.dtype}: the fused SwiGLU / RMSNorm / modulation sources take bfloat16 (only "
+                "plain and pre_quant_scale packs take float16)")
+    if x.dim() != 2:
+        return f"the activation must be 2-D, got {x.dim()}-D"
+    if swiglu and (modulation is not None or norm is not None):
+        return "a source is either SwiGLU or normalized / modulated"
+    if prescale is not None and (swiglu or modulation is not None or norm is not None):
+        return "a pre_quant_scale source reads plain rows (no SwiGLU, RMSNorm or modulation with it)"
+    if norm is not None and modulation is None:
+        return "a normalized source is also modulated (H3's adaLN)"
+    k = x.shape[1] // 2 if swiglu else x.shape[1]
+    if k % 16 or (swiglu and x.shape[1] % 2):
+        return f"the feature width {k} is not a multiple of 16"
+    if prescale is not None and (prescale.dtype != x.dtype or prescale.shape != (k,) or prescale.device != x.device):
+        return (f"the pre_quant_scale table must be a {PACK_DTYPE_NAMES[x.dtype]} [{k}] tensor on {x.device} (the "
+                "activation's dtype)")
+    return None
 
 
 @dataclass

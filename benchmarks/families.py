@@ -21,7 +21,7 @@ measure; ``--families minimax_h3`` takes it too, at ``--layers`` blocks). One fa
    clock around a device-synced forward) and its peak memory above what was allocated before the call.
 4. **Calls.** The NVFP4 Linears, how many the patch fused (PatchReport: the others with their reasons), and in one
    forward the calls on the fused path and on ComfyUI's (``FusedNVFP4Linear.calls_fused`` / ``calls_stock``) with
-   each stock call's reason (recorded per call: the pack logs a reason only once per process).
+   each stock call's reason (``FusedNVFP4Linear.stock_reasons``, per call: the log names a reason once per process).
 5. **DRAM bytes** (GPU, unless ``--no-ncu``): the same family built again in a child process under Nsight Compute
    (``ncu --clock-control none``, ``dram__bytes_read.sum``, ``dram__bytes_write.sum``, ``gpu__time_duration.sum``;
    tools/report.py ``ncu_command`` / ``run_ncu``), both arms warmed, then one forward per arm.
@@ -244,20 +244,10 @@ def fused_linears(patcher) -> dict:
             if isinstance(patch, FusedNVFP4Linear)}
 
 
-class StockReasons:
-    """Each call a fused Linear leaves on ComfyUI's path, with its reason (the pack's log names a reason once per
-    process, so it cannot count calls)."""
-
-    def __init__(self, linears: dict):
-        self.calls: collections.Counter = collections.Counter()
-        for linear in linears.values():
-            original = linear._stock
-
-            def stock(reason, x, stock_input, _original=original):
-                self.calls[reason] += 1
-                return _original(reason, x, stock_input)
-
-            linear._stock = stock
+def stock_reasons(linears: dict) -> collections.Counter:
+    """Calls the fused Linears left on ComfyUI's path so far, by reason (the pack's log names a reason once per
+    process; each fused Linear counts every call)."""
+    return sum((v.stock_reasons for v in linears.values()), collections.Counter())
 
 
 def call_counts(linears: dict) -> tuple[int, int]:
@@ -398,19 +388,18 @@ def measure_family(name: str, args, device: torch.device) -> dict:
 
     fused_patcher, patch_report = patch.apply_fused(stock_patcher, "block", allow_reference_backend=args.tiny)
     linears = fused_linears(fused_patcher)
-    reasons = StockReasons(linears)
     recorder = LinearCalls(base.diffusion_model)
     recorder.start(linears, marking=None)
     fused = Arm("fused", fused_patcher, device)
     compared, per_forward = {}, []
     try:
         for i, s in enumerate(SIGMAS):
-            before = call_counts(linears)
-            reasons.calls.clear()
+            before, reasons_before = call_counts(linears), stock_reasons(linears)
             got = fused.forward(inputs[s], "first" if i == 0 else "compared", s)
             after = call_counts(linears)
             per_forward.append({"fused": after[0] - before[0], "stock": after[1] - before[1],
-                                "stock_reasons": dict(reasons.calls), "hooked_calls": len(recorder.calls)})
+                                "stock_reasons": dict(stock_reasons(linears) - reasons_before),
+                                "hooked_calls": len(recorder.calls)})
             recorder.calls = []
             compared[f"sigma_{s}"] = [rep.differing(a, b) for a, b in zip(got, reference[s])]
             if len(got) != len(reference[s]):

@@ -33,6 +33,7 @@ operands and run a bf16 ``F.linear``. Logs and benchmark JSON call it emulation.
 
 from __future__ import annotations
 
+import collections
 import logging
 
 import torch
@@ -133,8 +134,12 @@ class FusedNVFP4Linear(PackPatch):
         self._static_alpha: dict[tuple, torch.Tensor] = {}
         self._prescale: dict[tuple, torch.Tensor] = {}
         self.calls_fused = 0
-        self.calls_stock = 0
+        self.stock_reasons: collections.Counter = collections.Counter()  # calls on ComfyUI's path, by reason
         self.recorder = None  # core/calibration.py: records this layer's input amax while calibrating
+
+    @property
+    def calls_stock(self) -> int:
+        return sum(self.stock_reasons.values())
 
     def dynamic_scale(self) -> bool:
         """True when ComfyUI computes this layer's activation scale per call (no static ``input_scale``)."""
@@ -278,5 +283,5 @@ class FusedNVFP4Linear(PackPatch):
 
     def _stock(self, reason: str, x: torch.Tensor, stock):
         note_fallback(self.name, reason)
-        self.calls_stock += 1
+        self.stock_reasons[reason] += 1
         return self.stock_forward(stock() if stock is not None else x)

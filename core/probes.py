@@ -186,47 +186,37 @@ def scale_rounding_amaxes(count: int = 12) -> list[float]:
 
 # ---- the probes --------------------------------------------------------------------------------------------
 
-def check_global_scale(backend, device) -> str | None:
-    gen = torch.Generator(device="cpu").manual_seed(5)
-    for amax in scale_rounding_amaxes():
+def check_global_scale(backend, device, dtype=torch.bfloat16) -> str | None:
+    """ComfyUI's dynamic scale of ``dtype`` activations, at amaxes whose scale rounds up, down and (fp16) into the
+    subnormals and to 0."""
+    f16 = dtype == F16
+    gen = torch.Generator(device="cpu").manual_seed(6 if f16 else 5)
+    for amax in (scale_rounding_amaxes_f16() if f16 else scale_rounding_amaxes()):
         x = (torch.rand((17, 32), generator=gen) * 2 - 1) * amax * 0.9
         x[5, 7] = -amax
-        x = x.to(torch.bfloat16).to(device)
-        diff = compare_packed(f"dynamic scale of amax {amax}", backend.pack_nvfp4(x), comfy_quantized(x, None))
+        x = x.to(dtype).to(device)
+        label = f"{'fp16 ' if f16 else ''}dynamic scale of amax {amax}"
+        diff = compare_packed(label, backend.pack_nvfp4(x), comfy_quantized(x, None))
         if diff:
             return diff
     return None
 
 
 def check_global_scale_f16(backend, device) -> str | None:
-    """ComfyUI's dynamic scale of fp16 activations (rounded to fp16: up, down, into its subnormals, to 0)."""
-    gen = torch.Generator(device="cpu").manual_seed(6)
-    for amax in scale_rounding_amaxes_f16():
-        x = (torch.rand((17, 32), generator=gen) * 2 - 1) * amax * 0.9
-        x[5, 7] = -amax
-        x = x.to(F16).to(device)
-        diff = compare_packed(f"fp16 dynamic scale of amax {amax}", backend.pack_nvfp4(x), comfy_quantized(x, None))
+    return check_global_scale(backend, device, F16)
+
+
+def check_pack(backend, device, cases=probe_activations) -> str | None:
+    for label, (x, scale) in cases(device).items():
+        packed = backend.pack_nvfp4(x, static_scale=static_scale(scale, device))
+        diff = compare_packed(label, packed, comfy_quantized(x, scale))
         if diff:
             return diff
     return None
 
 
 def check_pack_f16(backend, device) -> str | None:
-    for label, (x, scale) in probe_activations_f16(device).items():
-        packed = backend.pack_nvfp4(x, static_scale=static_scale(scale, device))
-        diff = compare_packed(label, packed, comfy_quantized(x, scale))
-        if diff:
-            return diff
-    return None
-
-
-def check_pack(backend, device) -> str | None:
-    for label, (x, scale) in probe_activations(device).items():
-        packed = backend.pack_nvfp4(x, static_scale=static_scale(scale, device))
-        diff = compare_packed(label, packed, comfy_quantized(x, scale))
-        if diff:
-            return diff
-    return None
+    return check_pack(backend, device, probe_activations_f16)
 
 
 def prescale_table(k: int, seed: int = 11) -> torch.Tensor:
@@ -242,22 +232,34 @@ def prescale_table(k: int, seed: int = 11) -> torch.Tensor:
     return table
 
 
-def prescale_activations(device, k: int = 1056) -> dict[str, tuple[torch.Tensor, torch.Tensor, float | None]]:
-    """Named probe activations for the prescale pack, each with its fp32 table and static scale (None: dynamic)."""
-    acts = probe_activations(device, k=k)
-    random, _ = acts["random rows, dynamic scale"]
-    finite_hard, _ = acts["hard cases without NaN/inf, dynamic scale"]
-    hard, _ = acts["hard cases with NaN/inf, dynamic scale"]
-    strided, _ = acts["strided view, dynamic scale"]
-    table, hard_table = prescale_table(k), prescale_table(hard.shape[1])
-    finite_table = torch.nan_to_num(table, posinf=2.0, neginf=-2.0).clamp(-1e4, 1e4)
+def prescale_activations(device, k: int = 1056, *, dtype=torch.bfloat16
+                         ) -> dict[str, tuple[torch.Tensor, torch.Tensor, float | None]]:
+    """Named probe activations for the prescale pack, each with its fp32 table and static scale (None: dynamic):
+    :func:`probe_activations` (fp16: :func:`probe_activations_f16`) times :func:`prescale_table` (fp16:
+    :func:`prescale_table_f16`), and the same with the table's non-finite entries and extremes clamped."""
+    f16 = dtype == F16
+    acts = probe_activations_f16(device, k=k) if f16 else probe_activations(device, k=k)
+    tag = "fp16 " if f16 else ""
+    make_table, limit = (prescale_table_f16, 1e3) if f16 else (prescale_table, 1e4)
+    random, _ = acts[f"{tag}random rows, dynamic scale"]
+    finite_hard, _ = acts[f"{tag}hard cases without NaN/inf, dynamic scale"]
+    hard, _ = acts[f"{tag}hard cases with NaN/inf, dynamic scale"]
+    strided, _ = acts[f"{tag}strided view, dynamic scale"]
+    table, hard_table = make_table(k), make_table(hard.shape[1])
+    finite_table = torch.nan_to_num(table, posinf=2.0, neginf=-2.0).clamp(-limit, limit)
     return {
-        "random rows x hard table, dynamic scale": (random, table, None),
-        "random rows x finite table, static scale": (random, finite_table, 2.0 / 2688 * 1.5),
-        "hard cases x hard table, static scale 1": (hard, hard_table, 1.0),
-        "hard cases without NaN/inf x finite table, dynamic scale": (finite_hard, finite_table[:hard.shape[1]], None),
-        "strided view x finite table, dynamic scale": (strided, finite_table, None),
+        f"{tag}random rows x hard table, dynamic scale": (random, table, None),
+        f"{tag}random rows x finite table, static scale": (random, finite_table, 2.0 / 2688 * 1.5),
+        f"{tag}hard cases x hard table, static scale 1": (hard, hard_table, 1.0),
+        f"{tag}hard cases without NaN/inf x finite table, dynamic scale": (finite_hard, finite_table[:hard.shape[1]],
+                                                                           None),
+        f"{tag}strided view x finite table, dynamic scale": (strided, finite_table, None),
     }
+
+
+def prescale_activations_f16(device, k: int = 528) -> dict[str, tuple[torch.Tensor, torch.Tensor, float | None]]:
+    """The fp16 prescale probe cases (:func:`prescale_activations` for fp16 activations)."""
+    return prescale_activations(device, k, dtype=F16)
 
 
 def prescale_table_f16(k: int, seed: int = 13) -> torch.Tensor:
@@ -271,25 +273,6 @@ def prescale_table_f16(k: int, seed: int = 13) -> torch.Tensor:
     table[len(hard) + 20:2 * len(hard) + 20] = torch.tensor(hard)
     table[k // 2 + 20:k // 2 + 20 + len(hard)] = torch.tensor(hard)
     return table
-
-
-def prescale_activations_f16(device, k: int = 528) -> dict[str, tuple[torch.Tensor, torch.Tensor, float | None]]:
-    """The fp16 prescale probe cases, each with its fp32 table and static scale (None: dynamic)."""
-    acts = probe_activations_f16(device, k=k)
-    random, _ = acts["fp16 random rows, dynamic scale"]
-    hard, _ = acts["fp16 hard cases with NaN/inf, dynamic scale"]
-    finite_hard, _ = acts["fp16 hard cases without NaN/inf, dynamic scale"]
-    strided, _ = acts["fp16 strided view, dynamic scale"]
-    table, hard_table = prescale_table_f16(k), prescale_table_f16(hard.shape[1])
-    finite_table = torch.nan_to_num(table, posinf=2.0, neginf=-2.0).clamp(-1e3, 1e3)
-    return {
-        "fp16 random rows x hard table, dynamic scale": (random, table, None),
-        "fp16 random rows x finite table, static scale": (random, finite_table, 2.0 / 2688 * 1.5),
-        "fp16 hard cases x hard table, static scale 1": (hard, hard_table, 1.0),
-        "fp16 hard cases without NaN/inf x finite table, dynamic scale": (finite_hard, finite_table[:hard.shape[1]],
-                                                                           None),
-        "fp16 strided view x finite table, dynamic scale": (strided, finite_table, None),
-    }
 
 
 def comfy_prescaled(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,8 @@ import threading
 
 import torch
 
-from ..layout import Modulation, PackedActivation, RmsNorm, packed_buffer_layout, roundup
+from ..layout import Modulation, PackedActivation, RmsNorm, packed_buffer_layout, roundup, source_refusal
+from ..layout import rows_readable_in_place as _aligned  # what every kernel reads: 16-byte rows, unit column stride
 from . import runtime
 
 # Launch shapes. The kernels are compiled with these values (kernel_defines) and the grids computed from them.
@@ -155,10 +156,6 @@ class _ModBoundsParams(ctypes.Structure):
 
 # ---- validation --------------------------------------------------------------------------------------------
 
-def _aligned(t: torch.Tensor) -> bool:
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.dim() < 2 or t.stride(0) % 8 == 0)
-
-
 def _modulation_refusal(modulation: Modulation, x: torch.Tensor, k: int) -> str | None:
     for name in ("scale", "shift"):
         t = getattr(modulation, name)
@@ -188,18 +185,8 @@ def rms_norm_support(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
-# Activation dtypes of the packs: the plain and pre_quant_scale sources read either (each kernel has an fp16 twin,
-# named with this suffix); the H3 sources (modulation, RMSNorm, SwiGLU) read bf16 only.
-PACK_DTYPES = {torch.bfloat16: "", torch.float16: "_f16"}
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def _prescale_refusal(prescale: torch.Tensor, x: torch.Tensor, k: int) -> str | None:
-    if (prescale.dtype != x.dtype or prescale.shape != (k,) or prescale.device != x.device
-            or not _aligned(prescale)):
-        return (f"the pre_quant_scale table must be a contiguous, 16-byte aligned {DTYPE_NAMES[x.dtype]} [{k}] tensor "
-                f"on {x.device} (the activation's dtype)")
-    return None
+# The fp16 twin of each plain and pre_quant_scale kernel is named with this suffix (layout.py PACK_DTYPE_NAMES).
+KERNEL_SUFFIX = {torch.bfloat16: "", torch.float16: "_f16"}
 
 
 def pack_support(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulation | None = None,
@@ -207,28 +194,14 @@ def pack_support(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulatio
     """``None`` if the fused pack accepts these inputs, otherwise a human-readable reason."""
     if not x.is_cuda:
         return "the activation is not on a CUDA device"
-    if x.dtype not in PACK_DTYPES:
-        return f"the activation is {x.dtype}, the fused pack takes bfloat16 or float16"
-    if x.dtype != torch.bfloat16 and (swiglu or modulation is not None or norm is not None):
-        return (f"the activation is {x.dtype}: the fused SwiGLU / RMSNorm / modulation sources take bfloat16 (only "
-                "plain and pre_quant_scale packs take float16)")
-    if x.dim() != 2:
-        return f"the activation must be 2-D, got {x.dim()}-D"
-    if swiglu and (modulation is not None or norm is not None):
-        return "a source is either SwiGLU or normalized / modulated"
-    if prescale is not None and (swiglu or modulation is not None or norm is not None):
-        return "a pre_quant_scale source reads plain rows (no SwiGLU, RMSNorm or modulation with it)"
-    if norm is not None and modulation is None:
-        return "a normalized source is also modulated (H3's adaLN)"
+    reason = source_refusal(x, swiglu=swiglu, modulation=modulation, norm=norm, prescale=prescale)
+    if reason is not None:
+        return reason
     k = x.shape[1] // 2 if swiglu else x.shape[1]
-    if k % 16 or (swiglu and x.shape[1] % 2):
-        return f"the feature width {k} is not a multiple of 16"
     if not _aligned(x):
         return "the activation rows are not 16-byte aligned with unit column stride"
-    if prescale is not None:
-        reason = _prescale_refusal(prescale, x, k)
-        if reason is not None:
-            return reason
+    if prescale is not None and not _aligned(prescale):
+        return "the pre_quant_scale table must be contiguous and 16-byte aligned"
     if modulation is not None:
         reason = _modulation_refusal(modulation, x, k)
         if reason is not None:
@@ -420,7 +393,7 @@ def pack_nvfp4(
     if global_scale is None and static_scale is None and norm is not None:
         raise ValueError("a normalized source takes its global scale from norm_statistics")
     variant = _variant(swiglu, modulation, norm, prescale)
-    suffix = PACK_DTYPES[x.dtype]  # the fp16 kernels: same launch shapes as their bf16 twins
+    suffix = KERNEL_SUFFIX[x.dtype]  # the fp16 kernels: same launch shapes as their bf16 twins
     rows = x.shape[0]
     k = x.shape[1] // 2 if swiglu else x.shape[1]
     rows16, rows128, groups = roundup(rows, 16), roundup(roundup(rows, 16), 128), roundup(k // 16, 4) // 4

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import comfy_adapter
-from ..layout import GLOBAL_SCALE_DIVISOR, Modulation, PackedActivation, RmsNorm
+from ..layout import GLOBAL_SCALE_DIVISOR, Modulation, PackedActivation, RmsNorm, source_refusal
 
 
 def _rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -59,26 +59,8 @@ def rms_norm_support(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
-PACK_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # as kernels/cuda_ops.py PACK_DTYPES
-
-
 def pack_support(x, *, swiglu=False, modulation=None, norm=None, prescale=None) -> str | None:
-    if x.dtype not in PACK_DTYPES:
-        return f"the activation is {x.dtype}, the fused pack takes bfloat16 or float16"
-    if x.dtype != torch.bfloat16 and (swiglu or modulation is not None or norm is not None):
-        return (f"the activation is {x.dtype}: the fused SwiGLU / RMSNorm / modulation sources take bfloat16 (only "
-                "plain and pre_quant_scale packs take float16)")
-    if x.dim() != 2:
-        return f"the activation must be 2-D, got {x.dim()}-D"
-    if prescale is not None and (swiglu or modulation is not None or norm is not None):
-        return "a pre_quant_scale source reads plain rows (no SwiGLU, RMSNorm or modulation with it)"
-    k = x.shape[1] // 2 if swiglu else x.shape[1]
-    if k % 16:
-        return f"the feature width {k} is not a multiple of 16"
-    if prescale is not None and (prescale.dtype != x.dtype or prescale.shape != (k,) or prescale.device != x.device):
-        return (f"the pre_quant_scale table must be a {PACK_DTYPES[x.dtype]} [{k}] tensor on {x.device} (the "
-                "activation's dtype)")
-    return None
+    return source_refusal(x, swiglu=swiglu, modulation=modulation, norm=norm, prescale=prescale)
 
 
 def residual_support(x, other, gate, *, next_norm=None) -> str | None:

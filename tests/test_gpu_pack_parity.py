@@ -377,10 +377,28 @@ def _comfy_prescaled(x, table):
     return x * comfy.model_management.cast_to_device(table, x.device, x.dtype)
 
 
-def _prescale(table):
+def _prescale(table, dtype=torch.bfloat16):
+    """The table as the fused Linear hands it to the pack: ComfyUI's cast to the activation dtype."""
     import comfy.model_management
 
-    return comfy.model_management.cast_to_device(table, torch.device("cuda"), torch.bfloat16).contiguous()
+    return comfy.model_management.cast_to_device(table, torch.device("cuda"), dtype).contiguous()
+
+
+def _assert_prescale_packs(x, table, scales, label):
+    """The fused prescale pack of ``x`` against ComfyUI's multiply and quantizer, per static scale (None: dynamic,
+    with the GEMM alpha checked too)."""
+    h = _comfy_prescaled(x, table)
+    prescale = _prescale(table, x.dtype)
+    for scale in scales:
+        where = f"{label} static {None if scale is None else float(scale)}"
+        if scale is None:
+            w2 = torch.tensor([3.1e-4], dtype=torch.float32, device="cuda")
+            fused = fused_pack(x, prescale=prescale, weight_scale_2=w2)
+            g = comfy_pack(h)[2].reshape(1).to(torch.float32)
+            assert torch.equal(fused.alpha.view(torch.int32), (g * w2).reshape(1).view(torch.int32)), where
+        else:
+            fused = fused_pack(x, prescale=prescale, static_scale=scale)
+        assert_same_pack(fused, *comfy_pack(h, scale), where)
 
 
 @pytest.mark.parametrize("rows,cols,static", [(H3_ROWS, 5376, None), (1001, 4096, None), (1001, 4096, 0.02),
@@ -431,17 +449,7 @@ def test_prescale_pack_hard_cases(case):
     else:  # with_alpha
         x = random_activation(999, 2048)
         table = torch.exp(torch.randn(2048, device="cuda"))
-    h = _comfy_prescaled(x, table)
-    for scale in scales:
-        label = f"prescale {case} static {None if scale is None else float(scale)} seed {seed}"
-        if case == "with_alpha":
-            w2 = torch.tensor([3.1e-4], dtype=torch.float32, device="cuda")
-            fused = fused_pack(x, prescale=_prescale(table), weight_scale_2=w2)
-            g = comfy_pack(h)[2].reshape(1).to(torch.float32)
-            assert torch.equal(fused.alpha.view(torch.int32), (g * w2).reshape(1).view(torch.int32)), label
-        else:
-            fused = fused_pack(x, prescale=_prescale(table), static_scale=scale)
-        assert_same_pack(fused, *comfy_pack(h, scale), label)
+    _assert_prescale_packs(x, table, scales, f"prescale {case} seed {seed}")
 
 
 def test_prescale_inputs_are_checked():
@@ -578,12 +586,6 @@ def test_fp16_reference_matches_kernel_on_gpu_data():
     assert (differs & ~sensitive).sum().item() == 0, f"seed {seed}"
 
 
-def _prescale_f16(table):
-    import comfy.model_management
-
-    return comfy.model_management.cast_to_device(table, torch.device("cuda"), F16).contiguous()
-
-
 @pytest.mark.parametrize("rows,cols,static", [(H3_ROWS, 5120, None), (1001, 4096, None), (1001, 4096, 0.02),
                                               (129, 5392, None), (17, 16, None), (301, 13824, 3.0e-3)])
 def test_fp16_prescale_pack_matches_comfyui(rows, cols, static):
@@ -591,7 +593,7 @@ def test_fp16_prescale_pack_matches_comfyui(rows, cols, static):
     x = _f16(rows, cols)
     table = torch.exp(torch.randn(cols, device="cuda") * 0.8)
     scale = None if static is None else torch.tensor([static], dtype=torch.float32, device="cuda")
-    fused = fused_pack(x, prescale=_prescale_f16(table), static_scale=scale)
+    fused = fused_pack(x, prescale=_prescale(table, F16), static_scale=scale)
     assert_same_pack(fused, *comfy_pack(_comfy_prescaled(x, table), scale),
                      f"fp16 prescale [{rows}, {cols}] seed {seed}")
 
@@ -642,16 +644,7 @@ def test_fp16_prescale_pack_hard_cases(case):
         assert torch.isinf(h).any() and torch.isfinite(x).all(), "the case must overflow in the product"
     if case == "subnormal_products":
         assert ((h != 0) & (h.abs() < 2.0 ** -14)).float().mean() > 0.2, "the case must land in the subnormals"
-    for scale in scales:
-        label = f"fp16 prescale {case} static {None if scale is None else float(scale)} seed {seed}"
-        if case == "with_alpha":
-            w2 = torch.tensor([3.1e-4], dtype=torch.float32, device="cuda")
-            fused = fused_pack(x, prescale=_prescale_f16(table), weight_scale_2=w2)
-            g = comfy_pack(h)[2].reshape(1).to(torch.float32)
-            assert torch.equal(fused.alpha.view(torch.int32), (g * w2).reshape(1).view(torch.int32)), label
-        else:
-            fused = fused_pack(x, prescale=_prescale_f16(table), static_scale=scale)
-        assert_same_pack(fused, *comfy_pack(h, scale), label)
+    _assert_prescale_packs(x, table, scales, f"fp16 prescale {case} seed {seed}")
 
 
 def test_fp16_inputs_are_checked():

@@ -28,7 +28,7 @@ def left_to_comfyui(layer, fused, x, reason_part: str):
     assert reason is not None and reason_part in reason, reason
     with torch.no_grad():
         out, stock = fused(x), layer(x)
-    assert fused.calls_fused == 0 and fused.calls_stock == 1
+    assert fused.calls_fused == 0 and fused.stock_reasons == {reason: 1}
     assert_bit_identical(out, stock, reason)
 
 

@@ -28,7 +28,6 @@ LAYERS = 50
 QUANTIZED = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$")
 # AWQ files smooth the projections' inputs: a pre_quant_scale on the layers' input projections of every third layer
 AWQ = re.compile(r"^model\.layers\.\d*[036]\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)$")
-PROMPT = "a red fox jumps over the lazy dog, cinematic lighting, 35mm film"
 
 
 @pytest.fixture
@@ -42,7 +41,7 @@ def model_options() -> dict:
     return {f"{ENCODER_KEY}_model_config": dict(TINY_LANGUAGE_MODEL)}
 
 
-def h3_text_encoder_state_dict(dtype: torch.dtype, *, quantize: bool = True, seed: int = 0) -> dict:
+def h3_text_encoder_state_dict(dtype: torch.dtype, seed: int = 0) -> dict:
     """A random-weight H3 text-encoder checkpoint (file key names); ``dtype``: the unquantized tensors' dtype, which
     ComfyUI's loader takes as the encoder's compute dtype (``llama_detect``: the norm weights' dtype)."""
     from comfy.text_encoders.minimax import te
@@ -56,7 +55,7 @@ def h3_text_encoder_state_dict(dtype: torch.dtype, *, quantize: bool = True, see
         key = key.removeprefix(TRANSFORMER_PREFIX)
         owner, _, leaf = key.rpartition(".")
         shape = tuple(tensor.shape)
-        if quantize and leaf == "weight" and QUANTIZED.match(owner):
+        if leaf == "weight" and QUANTIZED.match(owner):
             sd.update(nvfp4_checkpoint_entries(owner, random_weight(shape, gen, "cpu", shape[1] ** -0.5)))
             if AWQ.match(owner):
                 sd[f"{owner}.pre_quant_scale"] = (torch.rand(shape[1], generator=gen) * 1.5 + 0.25).to(dtype)
@@ -67,20 +66,14 @@ def h3_text_encoder_state_dict(dtype: torch.dtype, *, quantize: bool = True, see
     return sd
 
 
-def load_h3_text_encoder(dtype=torch.bfloat16, *, quantize: bool = True):
+def load_h3_text_encoder(dtype=torch.bfloat16):
     """The CLIP ComfyUI's loader makes of the checkpoint (``CLIPLoader`` calls the same function)."""
     import comfy.sd
 
-    clip = comfy.sd.load_text_encoder_state_dicts([h3_text_encoder_state_dict(dtype, quantize=quantize)],
+    clip = comfy.sd.load_text_encoder_state_dicts([h3_text_encoder_state_dict(dtype)],
                                                   model_options=model_options())
     assert type(clip.cond_stage_model).__name__ == "MiniMaxH3TEModel_"  # ComfyUI detected H3's encoder
     return clip
-
-
-def nvfp4_layers(clip) -> dict[str, torch.nn.Module]:
-    from h3_fused_nvfp4.core.linear import is_nvfp4_linear
-
-    return {n: m for n, m in clip.cond_stage_model.named_modules() if is_nvfp4_linear(m)}
 
 
 def test_comfyui_runs_nvfp4_text_encoder_linears_in_full_precision(pack, comfyui, force_nvfp4_compute,
