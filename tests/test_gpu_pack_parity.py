@@ -459,7 +459,8 @@ def test_prescale_inputs_are_checked():
     assert ops.pack_support(x, prescale=good) is None
     assert "bf16 [256]" in ops.pack_support(x, prescale=good.float())
     assert "bf16 [256]" in ops.pack_support(x, prescale=good[:128])
-    assert "bf16 [256]" in ops.pack_support(x, prescale=torch.ones(264, dtype=torch.bfloat16, device="cuda")[4:260])
+    misaligned = torch.ones(264, dtype=torch.bfloat16, device="cuda")[4:260]
+    assert "16-byte aligned" in ops.pack_support(x, prescale=misaligned)
     assert "bf16 [256]" in ops.pack_support(x, prescale=good.cpu())
     assert "pre_quant_scale" in ops.pack_support(random_activation(8, 512), swiglu=True, prescale=good)
     with pytest.raises(ValueError):
