@@ -91,7 +91,7 @@ class RmsNorm:
     rstd: torch.Tensor
 
 
-# Activation dtypes of the packs: the plain and pre_quant_scale sources read either; the H3 sources (modulation,
+# Activation dtypes of the packs: the plain and pre_quant_scale sources read either; the block sources (modulation,
 # RMSNorm, SwiGLU) read bf16 only.
 PACK_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -112,7 +112,7 @@ def source_refusal(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulat
     if prescale is not None and (swiglu or modulation is not None or norm is not None):
         return "a pre_quant_scale source reads plain rows (no SwiGLU, RMSNorm or modulation with it)"
     if norm is not None and modulation is None:
-        return "a normalized source is also modulated (H3's adaLN)"
+        return "a normalized source is also modulated (the adaLN modulation after the norm)"
     k = x.shape[1] // 2 if swiglu else x.shape[1]
     if k % 16 or (swiglu and x.shape[1] % 2):
         return f"the feature width {k} is not a multiple of 16"

@@ -17,6 +17,9 @@
 #                  arch only, into /tmp/sageattention, skipped when it already imports), puts it on PYTHONPATH for
 #                  the later steps, then tests/test_gpu_sage_block.py: one real H3 block at full width with ComfyUI's
 #                  sage backend, stock vs fused, bits, layout copies, times -> sage-block.json (~4-6 min)
+#   ab-previous    the H3 report of this tree and of a previous one side by side: .device/previous.tar.gz (a git archive
+#                  of the previous ref) unpacked beside this tree, report.py --dram of each, interleaved (dynamic: new,
+#                  previous; static: new, previous), then benchmarks/ab_reports.py -> ab-previous.json (~6 min)
 #   full-model     benchmarks/full_model.py: the whole 50-block model at full size, stock vs the Patch node's
 #                  clone, one forward per sigma, time and peak memory -> full-model.json (~3-5 min)
 #   families       benchmarks/families.py: each NVFP4 model family (Z-Image, FLUX.2 klein and dev, Wan 2.2 14B,
@@ -34,6 +37,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: steps run commands from other folders
 STEP_TIMEOUT=${STEP_TIMEOUT:-420}
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -80,6 +84,18 @@ for step in ${STEPS:-tests report}; do
           fi ;;
     families) timeout "${FAMILIES_TIMEOUT:-560}" python3 benchmarks/families.py ${FAMILIES:+--families "$FAMILIES"} \
              ${FAMILIES_ARGS:-} --out "$OUT/families.json" > "$OUT/families.log" 2>&1; rc=$?; tail -10 "$OUT/families.log" ;;
+    ab-previous) mkdir -p /tmp/previous && tar -xzf .device/previous.tar.gz -C /tmp/previous; rc=0
+             for kind in dynamic static; do
+               flag=$([[ $kind == static ]] && echo --all-static)
+               for tree in new previous; do
+                 dir=$([[ $tree == new ]] && echo . || echo /tmp/previous)
+                 (cd "$dir" && timeout "$STEP_TIMEOUT" python3 report.py --dram --ncu-timeout 300 $flag \
+                   --out "$OUT/ab-$tree-$kind.json") > "$OUT/ab-$tree-$kind.log" 2>&1 || rc=$?
+               done
+             done
+             python3 benchmarks/ab_reports.py --new "$OUT/ab-new-dynamic.json" "$OUT/ab-new-static.json" \
+               --previous "$OUT/ab-previous-dynamic.json" "$OUT/ab-previous-static.json" --labels dynamic static \
+               --what "${AB_WHAT:-this tree against a previous one}" --out "$OUT/ab-previous.json" || rc=$? ;;
     full-model) timeout "$STEP_TIMEOUT" python3 benchmarks/full_model.py --out "$OUT/full-model.json" > "$OUT/full-model.log" 2>&1
              rc=$?; tail -4 "$OUT/full-model.log" ;;
     *) echo "unknown step $step"; rc=2 ;;

@@ -34,6 +34,7 @@ operands and run a bf16 ``F.linear``. Logs and benchmark JSON call it emulation.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 
 import torch
@@ -41,7 +42,7 @@ import torch
 from .. import comfy_adapter
 from ..comfy_adapter import allocation_context, layer_weights
 from ..kernels.backend import KernelBuildError
-from ..layout import NVFP4_LAYOUT, PackedActivation, rows_readable_in_place, tensor_version
+from ..layout import NVFP4_LAYOUT, Modulation, PackedActivation, RmsNorm, rows_readable_in_place, tensor_version
 from .fallbacks import note_fallback
 from .plan import ForwardPlan, plan_for
 
@@ -114,6 +115,20 @@ def quantized_input(layer, x: torch.Tensor) -> torch.Tensor:
 
 
 # ---- the per-layer replacement forward ---------------------------------------------------------------------
+
+class LinearSource:
+    """What an NVFP4 Linear's pack reads its input through, as a fused block describes it: the raw tensor the caller
+    passes, normalized (``norm``: the norm's statistics already computed on the stream) and/or modulated
+    (``modulation``), with the global scale already reduced on the device (``global_scale``) or not. ``stock()``
+    rebuilds the layer input with ComfyUI's own code when the fused path refuses."""
+
+    def __init__(self, stock, *, modulation: Modulation | None = None, norm: RmsNorm | None = None,
+                 global_scale: torch.Tensor | None = None):
+        self.stock = stock
+        self.modulation = modulation
+        self.norm = norm
+        self.global_scale = global_scale
+
 
 class PackPatch:
     """Base of every callable this pack installs as an object patch: how a clone's patches are told from other
@@ -210,19 +225,48 @@ class FusedNVFP4Linear(PackPatch):
             self._prescale = {key: table}
         return table
 
-    def __call__(self, x: torch.Tensor, *, source=None, swiglu: bool = False, stock=None,
+    def __call__(self, x: torch.Tensor, *, source: LinearSource | None = None, swiglu: bool = False, stock=None,
                  plan: ForwardPlan | None = None):
-        """Forward of the layer. ``source`` (models/h3/sources.py ``LinearSource``) or ``swiglu`` make the pack
-        read the layer input through that op (``x`` is then the op's *input*); ``stock`` / ``source.stock()``
-        rebuild the layer input with ComfyUI's own code when the fused path refuses. ``plan``: the forward's
-        decisions (core/plan.py), resolved by the caller once per forward; looked up here when not given."""
+        """Forward of the layer. ``source`` or ``swiglu`` make the pack read the layer input through that op (``x`` is
+        then the op's *input*); ``stock`` / ``source.stock()`` rebuild the layer input with ComfyUI's own code when
+        the fused path refuses. ``plan``: the forward's decisions (core/plan.py), resolved by the caller once per
+        forward; looked up here when not given."""
         if source is not None:
             stock = source.stock
-        if self.recorder is not None and self.recorder.active():  # calibrating: the input ComfyUI would build
+        stock = self.record_input(x, stock)
+        reason, x2, prescale, plan = self.prepare(x, source, swiglu, plan)
+        if reason is not None:
+            return self._stock(reason, x, stock)
+        out = None
+        with layer_weights(self.layer, x2) as (weight, bias):
+            reason = self.weight_refusal(weight, x)
+            if reason is None:
+                try:
+                    with allocation_context():
+                        packed = self.pack(plan.backend, x2, weight, source, swiglu, prescale)
+                        out = nvfp4_gemm(packed, weight, bias, self.layer.out_features, x.dtype)
+                except (KernelBuildError, ValueError) as exc:  # refused or failed: no output written
+                    reason = f"kernel launch failed: {exc}"
+        if out is None:
+            return self._stock(reason, x, stock)
+        self.calls_fused += 1
+        return self.shaped(out, x)
+
+    # ---- the steps of a fused call (shared with SharedInput) -------------------------------------------------
+
+    def record_input(self, x: torch.Tensor, stock):
+        """While calibrating, record the input ComfyUI would quantize; returns ``stock`` (built once if it was used,
+        so a fallback reuses it)."""
+        if self.recorder is not None and self.recorder.active():
             if stock is not None:
-                built = stock()  # once: a fallback below reuses it
+                built = stock()
                 stock = lambda: built  # noqa: E731
             self._record(stock() if stock is not None else x)
+        return stock
+
+    def prepare(self, x: torch.Tensor, source: LinearSource | None, swiglu: bool, plan: ForwardPlan | None):
+        """``(reason, rows, prescale, plan)``: why the fused path cannot take this call (None: it can), the input as
+        ``[M, K]`` rows the kernels read, the layer's cast ``pre_quant_scale`` table, and the forward's plan."""
         modulation = source.modulation if source is not None else None
         norm = source.norm if source is not None else None
         reason = self.refusal(x, x.shape[-1] // 2 if swiglu else x.shape[-1])
@@ -247,36 +291,35 @@ class FusedNVFP4Linear(PackPatch):
             reason = (plan.refusal(checked_op(op, x.dtype), checked_op("linear", x.dtype))
                       or plan.backend.pack_support(x2, swiglu=swiglu, modulation=modulation, norm=norm,
                                                    prescale=prescale))
-        if reason is not None:
-            return self._stock(reason, x, stock)
-        backend = plan.backend
-        out_shape = (*x.shape[:-1], self.layer.out_features)
-        out = None
-        with layer_weights(self.layer, x2) as (weight, bias):
-            # ComfyUI's cast sets the weight's compute dtype (the stored QuantizedTensor may carry none)
-            if not is_nvfp4_weight(weight):
-                reason = "ComfyUI's weight cast returned a non-NVFP4 weight"  # handled after the cast is undone
-            elif weight.dtype != x.dtype:
-                reason = f"the weight computes in {weight.dtype}, the activation is {x.dtype}"
-            else:
-                static, static_alpha = self.static_scale(x.device)
-                reduced = source.global_scale if (source is not None and static is None) else None
-                try:
-                    with allocation_context():
-                        packed = backend.pack_nvfp4(
-                            x2, static_scale=static, global_scale=reduced,
-                            weight_scale_2=None if static is not None else weight._params.scale.reshape(1),
-                            swiglu=swiglu, modulation=modulation, norm=norm, prescale=prescale,
-                        )
-                        if static is not None:
-                            packed.alpha = static_alpha
-                        out = nvfp4_gemm(packed, weight, bias, self.layer.out_features, x.dtype)
-                except (KernelBuildError, ValueError) as exc:  # refused or failed: no output written
-                    reason = f"kernel launch failed: {exc}"
-        if out is None:
-            return self._stock(reason, x, stock)
-        self.calls_fused += 1
-        return out.reshape(out_shape) if x.dim() >= 3 else out
+        return reason, x2, prescale, plan
+
+    @staticmethod
+    def weight_refusal(weight, x: torch.Tensor) -> str | None:
+        """Why the weight ComfyUI's cast handed out cannot take the fused GEMM (None: it can)."""
+        # ComfyUI's cast sets the weight's compute dtype (the stored QuantizedTensor may carry none)
+        if not is_nvfp4_weight(weight):
+            return "ComfyUI's weight cast returned a non-NVFP4 weight"  # handled after the cast is undone
+        if weight.dtype != x.dtype:
+            return f"the weight computes in {weight.dtype}, the activation is {x.dtype}"
+        return None
+
+    def pack(self, backend, x2: torch.Tensor, weight, source: LinearSource | None, swiglu: bool,
+             prescale: torch.Tensor | None) -> PackedActivation:
+        """The fused pack of this layer's input, with the GEMM alpha for ``weight``."""
+        static, static_alpha = self.static_scale(x2.device)
+        reduced = source.global_scale if (source is not None and static is None) else None
+        packed = backend.pack_nvfp4(
+            x2, static_scale=static, global_scale=reduced,
+            weight_scale_2=None if static is not None else weight._params.scale.reshape(1),
+            swiglu=swiglu, modulation=source.modulation if source is not None else None,
+            norm=source.norm if source is not None else None, prescale=prescale,
+        )
+        if static is not None:
+            packed.alpha = static_alpha
+        return packed
+
+    def shaped(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return out.reshape(*x.shape[:-1], self.layer.out_features) if x.dim() >= 3 else out
 
     def _record(self, h: torch.Tensor) -> None:
         self.recorder.record(self.name, quantized_input(self.layer, h))
@@ -285,3 +328,95 @@ class FusedNVFP4Linear(PackPatch):
         note_fallback(self.name, reason)
         self.stock_reasons[reason] += 1
         return self.stock_forward(stock() if stock is not None else x)
+
+
+class SharedInput:
+    """NVFP4 Linears that read one tensor (Z-Image's w1 and w3, Wan's q, k and v): where their packs would be identical
+    the tensor is packed once and every GEMM reads that copy, with its own weight and GEMM alpha.
+
+    Identical packs: the same input read through the same source, and the same global scale - every layer's scale
+    dynamic (ComfyUI reduces the same tensor for each), or one static ``input_scale`` value for all (compared once,
+    when the group is built; a layer whose ``input_scale`` tensor is replaced afterwards stops sharing). Which Linears
+    read one tensor is decided by the fused block that produced it, never guessed from addresses at run time (ComfyUI
+    samples under inference mode, where tensors carry no version counter, so an address can be reused for new values).
+    A layer that cannot take the fused path on a call runs ComfyUI's forward for that call, as on its own.
+    """
+
+    def __init__(self, linears, name: str):
+        self.linears = tuple(linears)
+        self.name = name
+        self._scales = tuple(getattr(f.layer, "input_scale", None) for f in self.linears)
+        self.sharing_refusal = self._sharing_refusal()
+        self._alphas: dict[tuple, torch.Tensor] = {}
+
+    def _sharing_refusal(self) -> str | None:
+        if len(self.linears) < 2:
+            return "a single Linear"
+        if len({f.layer.in_features for f in self.linears}) != 1:
+            return "the Linears differ in width"
+        if any(getattr(f.layer, "pre_quant_scale", None) is not None for f in self.linears):
+            return "a Linear has a pre_quant_scale (each packs its own scaled input)"
+        static = [s for s in self._scales if s is not None]
+        if static and (len(static) != len(self._scales) or not all(
+                torch.equal(s.detach().float().cpu(), static[0].detach().float().cpu()) for s in static[1:])):
+            return "the Linears' activation scales differ (dynamic and static, or different static values)"
+        return None
+
+    def _alpha(self, index: int, device: torch.device) -> torch.Tensor:
+        key = (index, device)
+        buf = self._alphas.get(key)
+        if buf is None:
+            with allocation_context():
+                buf = self._alphas.setdefault(key, torch.empty(1, dtype=torch.float32, device=device))
+        return buf
+
+    def __call__(self, x: torch.Tensor, *, source: LinearSource | None = None,
+                 plan: ForwardPlan | None = None) -> list[torch.Tensor]:
+        """Every Linear's output for input ``x`` (read through ``source``), in order."""
+        stock = source.stock if source is not None else None
+        if stock is not None and any(f.recorder is not None and f.recorder.active() for f in self.linears):
+            built = stock()  # once for every layer that records or falls back
+            stock = lambda: built  # noqa: E731
+        if self.sharing_refusal is not None or any(
+                getattr(f.layer, "input_scale", None) is not s for f, s in zip(self.linears, self._scales)):
+            return [f(x, source=source, plan=plan) for f in self.linears]
+        results: list[torch.Tensor | None] = [None] * len(self.linears)
+        taking, rows = [], None
+        for i, f in enumerate(self.linears):
+            f.record_input(x, stock)
+            reason, x2, _, plan = f.prepare(x, source, False, plan)
+            if reason is None:
+                taking.append(i)
+                rows = rows if rows is not None else x2
+            else:
+                results[i] = f._stock(reason, x, stock)
+        if taking:
+            self._shared(x, rows, source, plan, taking, results, stock)
+        return results
+
+    def _shared(self, x, x2, source, plan, taking, results, stock) -> None:
+        with contextlib.ExitStack() as weights:
+            cast = [weights.enter_context(layer_weights(self.linears[i].layer, x2)) for i in taking]
+            reasons = [FusedNVFP4Linear.weight_refusal(weight, x) for weight, _ in cast]
+            ready = [(i, w, b) for i, (w, b), r in zip(taking, cast, reasons) if r is None]
+            outs, failure = {}, None
+            if ready:
+                try:
+                    with allocation_context():
+                        first, weight, _ = ready[0]
+                        packed = self.linears[first].pack(plan.backend, x2, weight, source, False, None)
+                        for i, weight, bias in ready:
+                            if i != first:  # the same fp32 product the pack forms for the first layer
+                                packed.alpha = torch.mul(packed.global_scale, weight._params.scale.reshape(1),
+                                                         out=self._alpha(i, x.device))
+                            layer = self.linears[i]
+                            outs[i] = nvfp4_gemm(packed, weight, bias, layer.layer.out_features, x.dtype)
+                except (KernelBuildError, ValueError) as exc:  # refused or failed: the layers run ComfyUI's path
+                    outs, failure = {}, f"kernel launch failed: {exc}"
+        for i, reason in zip(taking, reasons):
+            layer = self.linears[i]
+            if i in outs:
+                layer.calls_fused += 1
+                results[i] = layer.shaped(outs[i], x)
+            else:
+                results[i] = layer._stock(reason or failure, x, stock)

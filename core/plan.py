@@ -4,6 +4,9 @@ ops the self-check turned off there.
 A fused block builds one :class:`ForwardPlan` at the start of its forward and hands it to its attention, MLP and
 Linears; a Linear called on its own asks :func:`plan_for` (a dict lookup after the first call). Plans are rebuilt
 when a verdict changes (core/verdicts.py ``generation``), never per op.
+
+The plan answers for the Linear's ops (:data:`OPS`) and for every op a model family declares in its probe set
+(models/<family>/probes.py), including the family's block check, :func:`block_op`.
 """
 
 from __future__ import annotations
@@ -16,10 +19,15 @@ import torch
 from ..kernels.backend import FusedOps, KernelBuildError, backend_for
 from . import verdicts
 
-# Every op a plan answers for: the kernel ops the self-check probes, the Linear path and a model's block check.
-# The fp16 Linear path has its own ops (``*_f16``: fp16 activations, core/linear.py checked_op).
-OPS = ("global_scale", "pack", "pack_modulate", "pack_norm", "pack_swiglu", "pack_prescale", "gated_residual",
-       "rms_norm", "rms_rope", "linear", "global_scale_f16", "pack_f16", "pack_prescale_f16", "linear_f16", "block")
+# The Linear's ops (core/probes.py): its kernels and the Linear path. The fp16 Linear path has its own ops (``*_f16``:
+# fp16 activations, core/linear.py checked_op). The ops of a family's block come from its probe set.
+OPS = ("global_scale", "pack", "pack_prescale", "linear", "global_scale_f16", "pack_f16", "pack_prescale_f16",
+       "linear_f16")
+
+
+def block_op(probe_set: str) -> str:
+    """The plan op of the block check of the family whose probe set is ``probe_set``."""
+    return verdicts.block_op(probe_set)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +64,7 @@ def plan_for(device: torch.device) -> ForwardPlan:
     except KernelBuildError as exc:
         backend, unavailable = None, f"kernels unavailable: {exc}"
     refusals = {}
-    for op in OPS:
+    for op in OPS + verdicts.declared_ops(device):
         reason = verdicts.op_refusal(device, op)
         if reason is not None:
             refusals[op] = reason

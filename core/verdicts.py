@@ -285,11 +285,30 @@ def _device_verdicts(device: torch.device):
     return [(v, _probe_sets[k]) for k, v in list(_verdicts.items()) if k.startswith(prefix)]
 
 
+BLOCK_OP_PREFIX = "block:"
+
+
+def block_op(probe_set: str) -> str:
+    """The op of the block check of the family whose probe set is named ``probe_set`` (its verdict is the
+    ``block`` field of the verdicts that cover that probe set)."""
+    return BLOCK_OP_PREFIX + probe_set
+
+
+def declared_ops(device: torch.device) -> tuple[str, ...]:
+    """Every op the probe sets of ``device``'s verdicts declare (their probes and aliases) and their families'
+    block checks."""
+    ops: dict[str, None] = {}
+    for _, probe_sets in _device_verdicts(device):
+        for probe_set in probe_sets:
+            ops.update(dict.fromkeys((*probe_set.probes, *probe_set.aliases, block_op(probe_set.name))))
+    return tuple(ops)
+
+
 def op_refusal(device: torch.device, op: str) -> str | None:
     """Why the self-check turned ``op`` off on ``device`` (None: allowed, or not checked in this process)."""
     for verdict, probe_sets in _device_verdicts(device):
-        if op == "block":
-            if verdict.block == "failed":
+        if op.startswith(BLOCK_OP_PREFIX):
+            if verdict.block == "failed" and any(block_op(s.name) == op for s in probe_sets):
                 return f"the block self-check found a difference: {verdict.block_detail}"
             continue
         names = [op]
@@ -304,11 +323,12 @@ def op_refusal(device: torch.device, op: str) -> str | None:
     return None
 
 
-def record_block_verdict(device: torch.device, ok: bool, detail: str, compared: bool) -> None:
-    """Keep a block check's outcome with the device's verdicts (a real difference holds for the device)."""
+def record_block_verdict(device: torch.device, probe_set: str, ok: bool, detail: str, compared: bool) -> None:
+    """Keep a block check's outcome with the device's verdicts that cover ``probe_set`` (the family's): a real
+    difference holds for that family's blocks on the device."""
     with _lock:
-        for verdict, _ in _device_verdicts(device):
-            if verdict.origin != "skipped" and compared:
+        for verdict, probe_sets in _device_verdicts(device):
+            if verdict.origin != "skipped" and compared and any(s.name == probe_set for s in probe_sets):
                 verdict.block, verdict.block_detail = ("passed" if ok else "failed"), detail
                 _store(verdict)
         _changed()

@@ -5,7 +5,8 @@ Public functions (all bit-identical to ComfyUI's stock ops followed by comfy-kit
 * :func:`pack_nvfp4` - NVFP4-pack an activation read through a *source* (plain rows, RMSNorm and/or adaLN
   modulation, SwiGLU of an fc1 output, or rows times a Linear's ``pre_quant_scale``), with a dynamic
   (device-computed), precomputed or static global scale. Plain and ``pre_quant_scale`` sources take bf16 or fp16
-  activations (fp16 with ComfyUI's fp16 arithmetic: the ``_f16`` kernels); the H3 sources take bf16.
+  activations (fp16 with ComfyUI's fp16 arithmetic: the ``_f16`` kernels); the block sources (RMSNorm, modulation,
+  SwiGLU) take bf16.
 * :func:`norm_statistics` - torch's RMSNorm rstd of every row, optionally with the amax of the modulated, normalized
   rows (the next projection's global scale): the norm's output itself is never written.
 * :func:`gated_residual_` - ``x[r] += other[r] * gate[mod_index[r]]`` in place, optionally followed in the same pass
@@ -16,7 +17,7 @@ Public functions (all bit-identical to ComfyUI's stock ops followed by comfy-kit
 
 Layouts: layout.py. Launch shapes: :data:`LAUNCH`, the one source of these values (passed to NVRTC as ``-D``).
 Kernels: kernels/csrc/packs.cu (packs and their global scales), residual_norm.cu (gated residual, norm statistics,
-modulation bounds), h3_rms_rope.cu (RMSNorm + RoPE), built and cached by kernels/runtime.py.
+modulation bounds), rms_rope.cu (RMSNorm + RoPE), built and cached by kernels/runtime.py.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ ROW_NORM_MAX_COLS = 512 * LAUNCH["ROW_NORM_MAX_STEPS"]  # one warp stages a row 
 ROW_NORM_SHARED_BYTES = LAUNCH["ROW_NORM_THREADS"] // 32 * ROW_NORM_MAX_COLS * 2
 RESIDUAL_NORM_SHARED_BYTES = LAUNCH["RESIDUAL_NORM_THREADS"] // 32 * ROW_NORM_MAX_COLS * 2
 # The sources (kernels/csrc) and the -D constants each is built with: only those it uses.
-PACKS, RESIDUAL_NORM, RMS_ROPE = "packs.cu", "residual_norm.cu", "h3_rms_rope.cu"
+PACKS, RESIDUAL_NORM, RMS_ROPE = "packs.cu", "residual_norm.cu", "rms_rope.cu"
 _PACK_CONSTANTS = ("ABSMAX_THREADS", "PACK_MIN_CTAS", "PACK_THREADS", "PLAIN_ITEMS", "PLAIN_MIN_CTAS",
                    "SILU_TABLE_THREADS", "SILU_WINDOW_MIN_CTAS", "SWIGLU_ABSMAX_ITEMS")
 _RESIDUAL_NORM_CONSTANTS = ("RESIDUAL_AMAX_BATCH", "RESIDUAL_NORM_BATCH", "RESIDUAL_NORM_MIN_CTAS",
@@ -250,7 +251,7 @@ def _global_scale_out(device, stream, out: torch.Tensor) -> _GlobalScaleOut:
     return _GlobalScaleOut(_workspace(device, stream).data_ptr(), out.data_ptr())
 
 
-# ---- per-(device, stream) tables of the amax bounds (residual_norm.cu, h3_modulation_bounds) -----------------
+# ---- per-(device, stream) tables of the amax bounds (residual_norm.cu, fused_modulation_bounds) -----------------
 # Stream-ordered reuse: every amax launch rebuilds them right before it, on the same stream.
 
 _bounds: dict[tuple[int, int], torch.Tensor] = {}
@@ -270,7 +271,7 @@ def _launch_bounds_tables(mod, stream: int, x: torch.Tensor, norm: RmsNorm, modu
     params = _ModBoundsParams(norm.weight.data_ptr(), modulation.scale.data_ptr(), modulation.shift.data_ptr(),
                               modulation.scale.stride(0), rows, k, scale_bounds, shift_bounds)
     grid = max(1, min(-(-rows * (k // 8) // 256), mod.sm_count * 8))
-    mod.launch("h3_modulation_bounds", grid, 256, params, stream)
+    mod.launch("fused_modulation_bounds", grid, 256, params, stream)
     return scale_bounds, shift_bounds
 
 
@@ -506,7 +507,7 @@ def norm_statistics(x: torch.Tensor, norm: RmsNorm, *, modulation: Modulation | 
     ComfyUI's dynamic global scale of ``modulate(rms_norm(x))``. One read of ``x``; with the global scale a small
     launch first builds the amax pass's bounds table."""
     _check_norm_outputs(x, norm, modulation, global_scale_out)
-    kernel = "h3_row_norm_amax" if global_scale_out is not None else "h3_row_norm_stats"
+    kernel = "fused_row_norm_amax" if global_scale_out is not None else "fused_row_norm_stats"
     _row_norm_launch(kernel, x, norm, modulation=modulation, global_scale_out=global_scale_out)
 
 
@@ -522,7 +523,7 @@ def gated_residual_(x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor, mo
         raise ValueError("mod_index must be int32 [M]")
     if next_norm is not None:
         _check_norm_outputs(x, next_norm, next_modulation, global_scale_out)
-        kernel = "h3_row_norm_residual_amax" if global_scale_out is not None else "h3_row_norm_residual_stats"
+        kernel = "fused_row_norm_residual_amax" if global_scale_out is not None else "fused_row_norm_residual_stats"
         _row_norm_launch(kernel, x, next_norm, other=other, gate=gate, mod_index=mod_index,
                          modulation=next_modulation, global_scale_out=global_scale_out)
         return x
@@ -535,11 +536,11 @@ def gated_residual_(x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor, mo
     chunks = x.shape[0] * (x.shape[1] // 8)
     threads = LAUNCH["RESIDUAL_THREADS"]
     grid = max(1, min(-(-chunks // threads), mod.sm_count * 32))
-    mod.launch("h3_gated_residual", grid, threads, params, stream)
+    mod.launch("fused_gated_residual", grid, threads, params, stream)
     return x
 
 
-# ---- per-head RMSNorm + split-half RoPE (kernels/csrc/h3_rms_rope.cu) --------------------------------------
+# ---- per-head RMSNorm + split-half RoPE (kernels/csrc/rms_rope.cu) --------------------------------------
 
 class _RmsRopeParams(ctypes.Structure):
     _fields_ = [
@@ -556,7 +557,7 @@ def rms_rope_support(q, k, freqs, q_weight, k_weight, rot_dim) -> str | None:
     if any(t.dtype != torch.bfloat16 for t in (q, k, freqs, q_weight, k_weight)):
         return "q, k, rope table and norm weights must all be bfloat16"
     if q.dim() != 4 or q.shape != k.shape or q.shape[0] != 1 or q.shape[-1] != ROPE_HEAD_DIM or rot_dim != ROPE_ROT_DIM:
-        return f"only [1, S, H, {ROPE_HEAD_DIM}] q/k with rot_dim {ROPE_ROT_DIM} (H3) are handled"
+        return f"only [1, S, H, {ROPE_HEAD_DIM}] q/k with rot_dim {ROPE_ROT_DIM} are handled"
     if q.stride(-1) != 1 or q.stride(-2) != ROPE_HEAD_DIM or k.stride() != q.stride():
         return "q and k must be head-contiguous views with equal strides"
     s = q.shape[1]
@@ -584,7 +585,7 @@ def rms_rope_split_half_(q, k, freqs, q_weight, k_weight, epsilon: float, rot_di
                             k_weight.data_ptr(), tokens, heads, float(epsilon))
     # every warp takes an equal contiguous range of quads: exactly the CTAs the GPU holds at once, or fewer
     quads = tokens * -(-heads // 4)
-    resident = mod.sm_count * mod.resident_ctas("h3_rms_rope_split_half", ROPE_THREADS, ROPE_SHARED_BYTES)
+    resident = mod.sm_count * mod.resident_ctas("fused_rms_rope_split_half", ROPE_THREADS, ROPE_SHARED_BYTES)
     grid = max(1, min(-(-quads // (ROPE_THREADS // 32)), resident))
-    mod.launch("h3_rms_rope_split_half", grid, ROPE_THREADS, params, stream, shared_bytes=ROPE_SHARED_BYTES)
+    mod.launch("fused_rms_rope_split_half", grid, ROPE_THREADS, params, stream, shared_bytes=ROPE_SHARED_BYTES)
     return q, k

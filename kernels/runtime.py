@@ -1,6 +1,6 @@
 """Build and launch the CUDA kernels without a CUDA toolkit.
 
-The ``.cu`` sources in ``csrc/`` (one per kernel family: packs.cu, residual_norm.cu, h3_rms_rope.cu, with their
+The ``.cu`` sources in ``csrc/`` (one per kernel family: packs.cu, residual_norm.cu, rms_rope.cu, with their
 shared device code in nvfp4_common.cuh) are compiled at first use with NVRTC for the exact architecture of the GPU
 (``sm_<major><minor>a``: the arch-specific target enables sm_100+/sm_120+ instructions such as the E2M1
 conversion), cached on disk, loaded with the CUDA driver API and launched on torch's current stream.
@@ -37,7 +37,7 @@ log = logging.getLogger("h3_fused_nvfp4")
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent / "csrc"
 HEADERS = ("nvfp4_common.cuh",)
-SOURCES = ("packs.cu", "residual_norm.cu", "h3_rms_rope.cu")  # the first: the default of the functions below
+SOURCES = ("packs.cu", "residual_norm.cu", "rms_rope.cu")  # the first: the default of the functions below
 CACHE_SCHEMA = 2
 CUBIN_TRAILER = b"H3FN"  # + 32-byte SHA-256 of the cubin
 # Arch-specific targets we build for; sm_90a is the Hopper development target (software E2M1).

@@ -9,7 +9,7 @@ eager backend, which stock ComfyUI runs there too). It is written from those def
 the tests compare it with ComfyUI's real block. It materializes what the kernels fuse, so it saves nothing.
 
 Like the kernels, the plain and ``pre_quant_scale`` packs take bf16 or fp16 activations (each rounding in the
-activation's dtype, as torch rounds it), the H3 sources bf16 only; the twin refuses what the kernels refuse.
+activation's dtype, as torch rounds it), the block sources bf16 only; the twin refuses what the kernels refuse.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Compare the GPU code of the kernels of two builds, kernel by kernel.
 
     python scripts/compare_kernel_sass.py OLD_REF [NEW_REF] [--archs sm_90a,sm_100a,...] [--compiler nvcc|nvrtc]
+                                          [--renamed OLD_NAME=NEW_NAME ...]
 
 Each side (a git commit, or the working tree when NEW_REF is left out) is built the way the pack builds it:
 every source its kernels/runtime.py lists, with the -D options its kernels/cuda_ops.py (earlier kernels/ops.py)
@@ -10,7 +11,9 @@ Both sides' own runtime.py and ops.py are loaded from their trees, so each uses 
 defines. The cubins are disassembled with ``cuobjdump -sass`` and each kernel's listing (instructions, their
 offsets in the function, encodings and scheduling annotations) is compared with the kernel of the same name on the
 other side, ignoring only the file and section names, the listing's headers and the column padding.
-Kernels that exist on one side only are listed. Exit status 0 when every kernel present on both sides is
+Kernels that exist on one side only are listed; ``--renamed`` pairs a kernel of the old side with its new name
+(``--renamed h3_gated_residual=fused_gated_residual``; a renamed source file needs nothing: kernels are matched by
+name across every source). Exit status 0 when every kernel present on both sides is
 identical, 1 otherwise.
 
 Tools: nvcc (the NVCC variable, PATH, CUDA_HOME, /usr/local/cuda/bin) unless --compiler nvrtc, and a cuobjdump that
@@ -157,7 +160,10 @@ def main() -> int:
     parser.add_argument("new_ref", nargs="?", help="default: the working tree")
     parser.add_argument("--archs", default=",".join(DEFAULT_ARCHS))
     parser.add_argument("--compiler", choices=("nvcc", "nvrtc"), default="nvcc")
+    parser.add_argument("--renamed", action="append", default=[], metavar="OLD_NAME=NEW_NAME",
+                        help="a kernel the new side calls by another name")
     args = parser.parse_args()
+    renamed = dict(pair.split("=", 1) for pair in args.renamed)
     archs = [a for a in args.archs.split(",") if a]
     builds = [(arch, False) for arch in archs] + [("sm_90a", True)] * ("sm_90a" in archs)
 
@@ -182,6 +188,7 @@ def main() -> int:
                 for source, cubin, _ in _build(side, arch, emulate, args.compiler, tmp):
                     label = f"{side_name}-{pathlib.Path(source).stem}-{arch}-{int(emulate)}"
                     for kernel, sass in _sass_by_kernel(cubin, tmp, label).items():
+                        kernel = renamed.get(kernel, kernel) if side_name == "old" else kernel
                         assert kernel not in merged, f"{kernel} defined twice on the {side_name} side"
                         merged[kernel] = sass
                 kernels[side_name] = merged

@@ -77,7 +77,7 @@ def segments_and_index(rows: int, table_rows: int, device="cuda", per_token: boo
         segments[-1] = (a, b, torch.randint(0, table_rows, (b - a,), device=device))
     from h3_fused_nvfp4.models.h3.modulation import ModulationIndexCache
 
-    return segments, ModulationIndexCache().get(segments, rows, torch.device(device))
+    return segments, ModulationIndexCache().index(segments, rows, torch.device(device))
 
 
 def _selfcheck_modules():

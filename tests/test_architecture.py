@@ -3,7 +3,9 @@ holds most of the product, every shipped source in a room of its own role (READM
 
 from __future__ import annotations
 
+import ast
 import pathlib
+import re
 
 import pytest
 
@@ -82,3 +84,74 @@ def test_every_committed_result_is_cited_and_names_no_machine_path():
         text = path.read_text(encoding="utf-8")
         for prefix in ('"/tmp/', '"/work/', '"/root/', '"/home/', '"/opt/', " /tmp/", " /work/", " /root/", " /opt/"):
             assert prefix not in text, f"{path.name} records a machine path ({prefix.strip()}...)"
+
+
+# The shared layers speak of no model family: a family's names live in its own folder (models/<family>/). The product's
+# own name (the package, its environment variables, its log prefix) is not a family's word.
+SHARED_LAYERS = ("blocks", "core", "kernels", "layout.py")
+FAMILY_WORDS = {"h3", "minimax", "zimage", "lumina", "nextdit", "wan", "flux", "ltx", "qwen"}
+PRODUCT_NAMES = re.compile(r"h3[ _]fused[ _]nvfp4|H3FN", re.IGNORECASE)
+
+
+def _words(text: str) -> set[str]:
+    text = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", PRODUCT_NAMES.sub(" ", text))
+    return set(re.findall(r"[a-z][a-z0-9]*", text.lower()))
+
+
+def _python_names(source: str) -> set[str]:
+    """Identifiers and string constants of a Python module, docstrings left out (they are its documentation)."""
+    tree = ast.parse(source)
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            names.add(node.value)
+    return names
+
+
+def _cuda_names(source: str) -> set[str]:
+    """Identifiers and string literals of a CUDA source, comments left out."""
+    source = re.sub(r"/\*.*?\*/", " ", source, flags=re.DOTALL)
+    source = re.sub(r"//[^\n]*", " ", source)
+    return set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*|\"[^\"\n]*\"", source))
+
+
+def family_words_in_shared_layers(root: pathlib.Path = REPO_ROOT) -> dict[str, set[str]]:
+    found = {}
+    for layer in SHARED_LAYERS:
+        path = root / layer
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in SOURCE_SUFFIXES)
+        for file in files:
+            text = file.read_text(encoding="utf-8")
+            names = _python_names(text) if file.suffix == ".py" else _cuda_names(text)
+            words = set().union(*map(_words, names)) & FAMILY_WORDS if names else set()
+            if words:
+                found[file.relative_to(root).as_posix()] = words
+    return found
+
+
+def test_the_shared_layers_speak_of_no_model_family():
+    assert family_words_in_shared_layers() == {}
+
+
+def test_a_family_name_in_a_shared_layer_is_caught(tmp_path):
+    for layer in SHARED_LAYERS:
+        if (REPO_ROOT / layer).is_dir():
+            (tmp_path / layer).mkdir()
+    (tmp_path / "core" / "planted.py").write_text('"""Docstrings may say H3."""\nkind = "minimax_block"\n')
+    (tmp_path / "kernels" / "planted.cu").write_text('// a comment may say H3\n__global__ void wan_norm() {}\n')
+    (tmp_path / "layout.py").write_text('log = "H3 fused NVFP4: a product message"\n')
+    assert family_words_in_shared_layers(tmp_path) == {"core/planted.py": {"minimax"}, "kernels/planted.cu": {"wan"}}

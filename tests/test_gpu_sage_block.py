@@ -293,7 +293,7 @@ def test_sage_selection_tiny_block_bit_identical_with_a_stand_in():
 
 def test_sage_kernel_windows():
     copy = "void at::native::elementwise_kernel<128, 4, at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
-    names = ["h3_rms_rope_split_half", MARKER, MARKER, "quant_per_thread_int8", "CatArrayBatchedCopy",
+    names = ["fused_rms_rope_split_half", MARKER, MARKER, "quant_per_thread_int8", "CatArrayBatchedCopy",
              "TransposePadPermuteKernel", "qk_int8_sv_f8_attn", MARKER, MARKER, "nvfp4_absmax_plain"]
     w = attention_windows(names)
     assert w["around"] == [] and w["around_copies"] == []

@@ -37,9 +37,9 @@ KERNELS_BY_SOURCE = {
                   "nvfp4_pack_modulate", "nvfp4_pack_norm_modulate", "nvfp4_pack_swiglu_table",
                   "nvfp4_pack_swiglu_window", "nvfp4_absmax_prescale", "nvfp4_pack_prescale", "nvfp4_absmax_plain_f16",
                   "nvfp4_pack_plain_f16", "nvfp4_absmax_prescale_f16", "nvfp4_pack_prescale_f16"),
-    "residual_norm.cu": ("h3_gated_residual", "h3_row_norm_stats", "h3_row_norm_amax", "h3_row_norm_residual_stats",
-                         "h3_row_norm_residual_amax", "h3_modulation_bounds"),
-    "h3_rms_rope.cu": ("h3_rms_rope_split_half",),
+    "residual_norm.cu": ("fused_gated_residual", "fused_row_norm_stats", "fused_row_norm_amax",
+                         "fused_row_norm_residual_stats", "fused_row_norm_residual_amax", "fused_modulation_bounds"),
+    "rms_rope.cu": ("fused_rms_rope_split_half",),
 }
 KERNELS = KERNELS_BY_SOURCE[PACK_SOURCE]
 ARITH_SOURCE = pathlib.Path(__file__).resolve().parent / "kernels" / "arith_check.cu"

@@ -60,9 +60,9 @@ MARKER = "spin_kernel"            # torch.cuda._sleep's kernel: opens each measu
 CATEGORIES = (
     ("fused_absmax", ("nvfp4_absmax",)),
     ("fused_pack", ("nvfp4_pack",)),
-    ("fused_row_norm", ("h3_row_norm", "h3_modulation_bounds")),  # the bounds table is the amax pass's first launch
-    ("fused_gated_residual", ("h3_gated_residual",)),
-    ("fused_rms_rope", ("h3_rms_rope",)),
+    ("fused_row_norm", ("fused_row_norm", "fused_modulation_bounds")),  # bounds: the amax pass's first launch
+    ("fused_gated_residual", ("fused_gated_residual",)),
+    ("fused_rms_rope", ("fused_rms_rope",)),
     ("emulation_dequant", ("dequantize_nvfp4",)),
     ("comfy_pack", ("quantize_nvfp4",)),
     ("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
@@ -286,7 +286,7 @@ def _sections(kernels: list[dict], block_ms: float | None, arm: str) -> dict:
             "gate_add_launches": n("addcmul", "fused_gated_residual", "fused_row_norm"),
             "gate_add_total_ms": ms("addcmul", "fused_gated_residual", "fused_row_norm"),
             "note": "fused: the gated residual kernels also produce the next RMSNorm's statistics and the next "
-                    "projection's amax (h3_row_norm_*)" if arm == "fused" else "stock ComfyUI ops",
+                    "projection's amax (fused_row_norm_*)" if arm == "fused" else "stock ComfyUI ops",
         },
         "nvfp4": {
             "gemm_launches": n("gemm", "emulation_gemm"), "gemm_total_ms": ms("gemm", "emulation_gemm"),

@@ -1,4 +1,4 @@
-// Fused NVFP4 activation packing for the MiniMax H3 block: the packs and their global-scale reductions.
+// Fused NVFP4 activation packing: the packs and their global-scale reductions.
 //
 // Math. Every pack and reduction reads its activation through a *source* that applies the elementwise ops ComfyUI
 // runs right before the quantized Linear, so their outputs never go to memory:
@@ -10,12 +10,12 @@
 // with m = mod_index[row] the adaLN modulation row of the token. Each bf16() is one round-to-nearest-even,
 // exactly where PyTorch rounds in ComfyUI's stock ops (rms_norm, mul_, add_, silu, mul_), and the fp32 arithmetic
 // between them is IEEE (this file is compiled without fast math; _rn intrinsics prevent contraction). The rstd of
-// the normalized source and its global scale come from residual_norm.cu (h3_row_norm_*).
+// the normalized source and its global scale come from residual_norm.cu (fused_row_norm_*).
 //
 // Element types. The plain and prescale sources also read fp16 activations (models that compute in fp16, Wan by
 // default): PlainOf<F16> and PrescaleOf<F16>, h = fp16(x * p[c]) with p the table cast to fp16, and the global scale
 // rounded to fp16 (the _f16 entry points). Each source names its element type (Elem), which selects the
-// instructions of the block quantizer and of the global scale (nvfp4_common.cuh Bf16 / F16); the H3 sources
+// instructions of the block quantizer and of the global scale (nvfp4_common.cuh Bf16 / F16); the block sources
 // (modulate, norm-modulate, SwiGLU) read bf16 only.
 //
 //   nvfp4_absmax_*      one pass over h: amax|h| (NaN wins, as torch.amax); the LAST CTA to finish turns it into
@@ -66,7 +66,7 @@ struct SourceParams {
     i64 mod_row_stride;    // in elements
     const i32* mod_index;  // modulation row of each token
     const u16* silu_table; // SwiGLU with a table: bf16 silu(x) for each of the 65536 bf16 bit patterns x (or its window)
-    const float* rstd;     // folded RMSNorm: per-row rstd (h3_row_norm_*), and its bf16 weight [K]
+    const float* rstd;     // folded RMSNorm: per-row rstd (fused_row_norm_*), and its bf16 weight [K]
     union {                // one per-column bf16 table [K]: the two sources that read one never meet
         const u16* norm_weight;
         const u16* prescale;  // PrescaleOf: the layer's pre_quant_scale cast to the activation dtype
@@ -133,7 +133,7 @@ struct ModulateSource {
     }
 };
 
-// RMSNorm folded in front of the modulation: n = bf16(w * (rstd * x)) with rstd from h3_row_norm_* (torch's
+// RMSNorm folded in front of the modulation: n = bf16(w * (rstd * x)) with rstd from fused_row_norm_* (torch's
 // rms_norm output, element for element), then ModulateSource's three roundings.
 struct NormModulateSource {
     using Elem = Bf16;

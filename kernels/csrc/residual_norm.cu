@@ -1,9 +1,9 @@
-// Gated residual and RMSNorm statistics for the MiniMax H3 block, and the bounds of the amax pass:
-//   h3_gated_residual   x[r] += other[r] * gate[m] in place (ComfyUI's per-segment addcmul_), m = mod_index[r].
-//   h3_row_norm_*       RMSNorm statistics of x (optionally first updated by the gated residual): rstd[r] with
+// Gated residual and RMSNorm statistics of a fused block's residual stream, and the bounds of the amax pass:
+//   fused_gated_residual x[r] += other[r] * gate[m] in place (ComfyUI's per-segment addcmul_), m = mod_index[r].
+//   fused_row_norm_*    RMSNorm statistics of x (optionally first updated by the gated residual): rstd[r] with
 //                       torch's CUDA rms_norm arithmetic, and optionally the amax of the modulated, normalized rows
 //                       (the next projection's global scale, see packs.cu), so torch's norm never writes its output.
-//   h3_modulation_bounds per modulation row, the bounds that let the amax pass skip columns that cannot raise the
+//   fused_modulation_bounds per modulation row, the bounds that let the amax pass skip columns that cannot raise the
 //                       maximum (see bounded_amax).
 // Each bf16() below is one round-to-nearest-even where PyTorch rounds, with IEEE fp32 between (no fast math).
 //
@@ -12,10 +12,10 @@
 // logical thread t sums the squares of the 4-element vectors t, t + 128, ... (fma.rn from 0, elements in order);
 // a shfl_down tree 16, 8, 4, 2, 1 of add.rn per warp; S = (W0 + W2) + (W1 + W3); var = div.rn(S, float(K));
 // rstd = rsqrt.approx.f32(add.rn(var, float(eps))) (non-ftz); n = bf16(mul.rn(w, mul.rn(rstd, x))). Here one warp
-// (h3_row_norm_stats / _amax) or two (the residual kernels) hold a row, each lane four or two of torch's logical
+// (fused_row_norm_stats / _amax) or two (the residual kernels) hold a row, each lane four or two of torch's logical
 // threads (row_norm_body and residual_norm_body say which), so the partial sums and the tree replay torch's exactly.
 //
-// Requirements checked on the host (kernels/cuda_ops.py): K % 16 == 0 (% 8 for h3_gated_residual), 16-byte aligned rows
+// Requirements checked on the host (kernels/cuda_ops.py): K % 16 == 0 (% 8 for fused_gated_residual), 16-byte aligned rows
 // and tables.
 #include "nvfp4_common.cuh"
 
@@ -56,7 +56,7 @@ struct RowNormParams {
     const u16* mod_shift;
     i64 mod_row_stride;
     GlobalScaleOut out;      // amax variants
-    const u16* bound_scale;  // amax variants: h3_modulation_bounds of (norm_weight, mod_scale, mod_shift)
+    const u16* bound_scale;  // amax variants: fused_modulation_bounds of (norm_weight, mod_scale, mod_shift)
     const u16* bound_shift;
 };
 
@@ -166,7 +166,7 @@ NVFP4_DEVICE float torch_rstd(float part[4], float n_f, float eps) {
 
 // ---- the amax pass, skipping what cannot matter ------------------------------------------------------------
 // The next projection's global scale is max |h| over the tensor, h = modulate(rms_norm(x)) =
-// bf16(bf16(n s1) + shift), n = bf16(w (rstd x)), s1 = bf16(1 + scale). Per modulation row, h3_modulation_bounds
+// bf16(bf16(n s1) + shift), n = bf16(w (rstd x)), s1 = bf16(1 + scale). Per modulation row, fused_modulation_bounds
 // stores T = |w| |s1| per column (exact in fp32, rounded up to bf16) and S = max |shift| per 8 columns. Every h
 // of 8 columns then satisfies
 //   |h| <= (rstd max|x T| (1 + 2^-24)^2 (1 + 2^-8)^2 + S) (1 + 2^-8)
@@ -196,7 +196,7 @@ NVFP4_DEVICE u32 bf16x2_abs_mul(u32 x, u32 t) {
     return r;
 }
 
-extern "C" __global__ void __launch_bounds__(256) h3_modulation_bounds(const ModBoundsParams p) {
+extern "C" __global__ void __launch_bounds__(256) fused_modulation_bounds(const ModBoundsParams p) {
     const u32 groups = (u32)(p.cols / 8), total = (u32)p.table_rows * groups;
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
         const u32 r = i / groups, col = (i - r * groups) * 8;
@@ -422,8 +422,8 @@ __device__ __forceinline__ void residual_norm_body(const RowNormParams& p) {
 
 // ---- entry points (one name per variant; kernels/runtime.py looks them up by name) -------------------------
 
-extern "C" __global__ void __launch_bounds__(RESIDUAL_THREADS) h3_gated_residual(const GatedResidualParams p) { gated_residual_body(p); }
-extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) h3_row_norm_stats(const RowNormParams p) { row_norm_body<false>(p); }
-extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) h3_row_norm_amax(const RowNormParams p) { row_norm_body<true>(p); }
-extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) h3_row_norm_residual_stats(const RowNormParams p) { residual_norm_body<false>(p); }
-extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) h3_row_norm_residual_amax(const RowNormParams p) { residual_norm_body<true>(p); }
+extern "C" __global__ void __launch_bounds__(RESIDUAL_THREADS) fused_gated_residual(const GatedResidualParams p) { gated_residual_body(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_row_norm_stats(const RowNormParams p) { row_norm_body<false>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_row_norm_amax(const RowNormParams p) { row_norm_body<true>(p); }
+extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) fused_row_norm_residual_stats(const RowNormParams p) { residual_norm_body<false>(p); }
+extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) fused_row_norm_residual_amax(const RowNormParams p) { residual_norm_body<true>(p); }

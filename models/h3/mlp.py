@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from ... import comfy_adapter
-from ...core.linear import FusedNVFP4Linear, PackPatch
+from ...core.linear import FusedNVFP4Linear, LinearSource, PackPatch
 from ...core.plan import ForwardPlan
-from .sources import LinearSource
 
 
 class FusedSwigluMLP(PackPatch):

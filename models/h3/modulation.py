@@ -1,13 +1,13 @@
-"""Where each token's adaLN modulation row comes from: ComfyUI's ``mod_segments`` turned into an int32 row index on
-the device, built once per forward (every block of a forward shares the segment list) without waiting for the GPU.
+"""Where each token's adaLN modulation row comes from in MiniMax H3: ComfyUI's ``mod_segments`` (``(a, b, row)`` per
+segment, ``row`` an int or a per-token row tensor) as the int32 row index of blocks/row_index.py, built once per
+forward (every block of a forward shares the segment list).
 """
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
+from ...blocks.row_index import RowIndexCache
 from ...layout import tensor_version
 
 
@@ -25,42 +25,22 @@ def modulation_index(segments, rows: int) -> torch.Tensor:
     return index
 
 
-class ModulationIndexCache:
-    """int32 per-token modulation rows on the device, built once per forward (all blocks of a forward share the
-    segment list) from ComfyUI's ``mod_segments``, without waiting for the GPU."""
+def segments_key(segments, rows: int, device) -> tuple:
+    parts = []
+    for a, b, row in segments:
+        if isinstance(row, torch.Tensor):
+            parts.append((a, b, id(row), row.data_ptr(), tensor_version(row)))
+        else:
+            parts.append((a, b, int(row)))
+    return (rows, str(device), tuple(parts))
 
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._key = None
-        self._value = None
 
-    @staticmethod
-    def _key_of(segments, rows, device):
-        parts = []
-        for a, b, row in segments:
-            if isinstance(row, torch.Tensor):
-                parts.append((a, b, id(row), row.data_ptr(), tensor_version(row)))
-            else:
-                parts.append((a, b, int(row)))
-        return (rows, str(device), tuple(parts))
+class ModulationIndexCache(RowIndexCache):
+    """The row index of ComfyUI's ``mod_segments``, rebuilt only when the segments change."""
 
-    def get(self, segments, rows: int, device: torch.device) -> torch.Tensor:
-        key = self._key_of(segments, rows, device)
-        with self._lock:
-            if self._key != key:
-                host = modulation_index(segments, rows)
-                if device.type == "cuda":
-                    host = host.pin_memory()
-                    index = host.to(device, non_blocking=True)
-                else:
-                    index = host
-                for a, b, r in segments:
-                    if isinstance(r, torch.Tensor):
-                        index[a:b].copy_(r.to(device=device, dtype=torch.int32, non_blocking=True))
-                # Keep the pinned source (a CUDA graph may replay the copy) and the segment tensors (their ids are
-                # part of the key) alive with the index.
-                self._key, self._value = key, (index, host, [r for _, _, r in segments if isinstance(r, torch.Tensor)])
-            return self._value[0]
+    def index(self, segments, rows: int, device: torch.device) -> torch.Tensor:
+        return self.get(segments_key(segments, rows, device), device, lambda: (
+            modulation_index(segments, rows), [(a, b, r) for a, b, r in segments if isinstance(r, torch.Tensor)]))
 
 
 def bf16_table(table: torch.Tensor) -> torch.Tensor:

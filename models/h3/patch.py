@@ -20,7 +20,7 @@ from ...core.patching import SCOPES, FamilyPatches
 from ...core.probes import LINEAR_PROBES
 from ...core.verdicts import Verdict
 from .attention import FusedAttention
-from .block import FusedDiTBlock, ModelState
+from .block import FusedDiTBlock, H3State
 from .mlp import FusedSwigluMLP
 from .probes import H3_PROBES
 from .structure import LINEAR_PATHS, find_h3_blocks, submodule
@@ -36,7 +36,7 @@ def build(diffusion_model, scope: str = "block") -> FamilyPatches | None:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
     blocks = find_h3_blocks(diffusion_model)
     patches: dict[str, object] = {}
-    state = ModelState()
+    state = H3State()
     dit = refiner = 0
     previous = None  # the fused DiT block just before, for the norm-statistics hand-over
     for blk in blocks:

@@ -5,19 +5,15 @@ and the byte comparison): the modulated pack against ``_mod_scale_shift`` and Co
 pack and the residual's statistics against ComfyUI's RMSNorm module, the SwiGLU pack against ComfyUI's eager SwiGLU,
 the gated residual against ``_mod_gate``, the RMSNorm + RoPE kernel against comfy-kitchen's op.
 
-The block check (:func:`check_block`, at the first forward of a patched model): the first patched block runs
-ComfyUI's stock block and the fused block on (a prefix of) that call's real input and compares the outputs; that
-call returns the stock result. One host sync, on that call only, never during CUDA-graph capture.
+The block check (the first forward of a patched model compares ComfyUI's block with the fused one on its real input)
+is the toolkit's: blocks/check.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ... import comfy_adapter
-from ...core import verdicts
 from ...core.probes import comfy_quantized, compare_packed, first_difference, probe_activations, static_scale
 from ...core.verdicts import NotApplicable, ProbeSet
 from ...layout import Modulation, RmsNorm
@@ -181,53 +177,3 @@ H3_PROBES = ProbeSet(
     shares_global_scale=("pack_modulate", "pack_norm", "pack_swiglu", "rms_norm"),
     aliases={"pack_norm": "rms_norm"},  # the normalized pack is the pack half of rms_norm's probe
 )
-
-
-# ---- the block check ---------------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class BlockVerdict:
-    ok: bool
-    detail: str
-    compared: bool = True  # False: the check could not run (e.g. out of memory); nothing is cached then
-
-
-def clip_segments(segments, rows: int) -> list:
-    clipped = []
-    for a, b, row in segments:
-        if a >= rows:
-            break
-        b2 = min(b, rows)
-        clipped.append((a, b2, row[: b2 - a] if isinstance(row, torch.Tensor) else row))
-    return clipped
-
-
-def check_block(fused_block, x, t_emb, mod_segments, rope_freqs, options: dict, max_rows: int,
-                plan=None) -> BlockVerdict:
-    """ComfyUI's stock block against the fused block on the first ``max_rows`` rows of this call's input."""
-    rows = min(x.shape[0], max_rows)
-    segments = clip_segments(mod_segments, rows)
-    rope = rope_freqs[:, :rows] if rope_freqs is not None else None
-    xs = x[:rows]
-    detail = None
-    for attempt in range(2):  # a first call can differ inside ComfyUI's emulated GEMM path: compare a second time
-        with fused_block.unpatched():
-            stock = fused_block.stock_forward(xs.clone(), t_emb, segments, rope, transformer_options=dict(options))
-        fused = fused_block.fused_forward(xs.clone(), t_emb, segments, rope, dict(options), None, handoff=False,
-                                          plan=plan)
-        detail = first_difference(f"{fused_block.name} output ({rows} rows)", fused, stock)
-        if detail is None:
-            return BlockVerdict(True, f"{fused_block.name}: {rows} rows bit-identical"
-                                + (" on the second comparison" if attempt else ""))
-    return BlockVerdict(False, detail)
-
-
-def record_block_verdict(state, device: torch.device, verdict: BlockVerdict) -> None:
-    """Keep the outcome with the model's state and the device's verdicts; show it on the node that patched the
-    model."""
-    state.block_check = "passed" if verdict.ok else "failed"
-    state.block_check_detail = verdict.detail
-    verdicts.record_block_verdict(device, verdict.ok, verdict.detail, verdict.compared)
-    text = (("block self-check passed: " if verdict.ok else "block self-check FAILED, ComfyUI's path runs: ")
-            + verdict.detail)
-    comfy_adapter.send_progress_text(state.node_id, f"H3 fused NVFP4: {text}")

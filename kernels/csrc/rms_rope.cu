@@ -1,5 +1,5 @@
-// In-place per-head RMSNorm + split-half RoPE on H3's q and k views (the qkv_proj output), bit-identical to
-// comfy-kitchen's rms_rope_split_half_ (rms_rope.cu, built with --use_fast_math) for head_dim 128.
+// In-place per-head RMSNorm + split-half RoPE on q and k views of one projection output (H3's qkv_proj),
+// bit-identical to comfy-kitchen's rms_rope_split_half_ (rms_rope.cu, built with --use_fast_math) for head_dim 128.
 //
 // Math per (token, head), for q and k with their own norm weights w:
 //   sum  = sum_e x_e^2        lane l accumulates e = l, l+32, l+64, l+96 with fma.rn.ftz starting from 0, then
@@ -208,7 +208,7 @@ NVFP4_DEVICE void stage_quad(const RmsRopeParams& p, QuadCursor at, const StageL
 extern __shared__ __align__(16) u8 rope_stages[];
 
 // q, k rows 16-byte aligned, norm weights and rope table 8-byte aligned (kernels/cuda_ops.py checks).
-extern "C" __global__ void __launch_bounds__(ROPE_THREADS) h3_rms_rope_split_half(const RmsRopeParams p) {
+extern "C" __global__ void __launch_bounds__(ROPE_THREADS) fused_rms_rope_split_half(const RmsRopeParams p) {
     const u32 lane = threadIdx.x & 31, t = lane % ROPE_THREADS_PER_HEAD, group = lane / ROPE_THREADS_PER_HEAD;
     const u32 group_mask = 0xFFu << (lane & ~7u);
     const u32 quads = ((u32)p.heads + 3) / 4;

@@ -1,0 +1,60 @@
+"""The block check: at the first fused call of a patched model, ComfyUI's block and the fused block run on (a prefix
+of) that call's real input and their outputs are compared byte for byte; that call returns ComfyUI's result.
+
+What counts: the comparison vouches for the fused block only when ComfyUI's output on the checked rows is finite
+everywhere. A prefix whose stock output holds a NaN or an infinity (an all-NaN first input, say) proves nothing
+about the arithmetic - NaN propagates through any op sequence alike - so such a call is not a verdict: the model
+stays on ComfyUI's path for that call and the check runs again on the next one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import comfy_adapter
+from ..core import verdicts
+from ..core.probes import first_difference
+
+
+@dataclasses.dataclass
+class BlockVerdict:
+    ok: bool
+    detail: str
+    compared: bool = True  # False: the check could not run (out of memory, say): nothing is cached
+    meaningful: bool = True  # False: the checked rows proved nothing (non-finite stock output): check again later
+
+
+def compare_block(fused_block, call, rows: int, plan) -> BlockVerdict:
+    """ComfyUI's block against the fused route on the first ``rows`` rows of ``call`` (the family's call object:
+    ``prefix(rows)``, ``fresh()``, ``x``). Two attempts: ComfyUI's first emulated GEMM call of a process can differ
+    from its later ones."""
+    sub = call.prefix(rows)
+    detail = None
+    for attempt in range(2):
+        with fused_block.unpatched():
+            stock = fused_block.stock_call(sub.fresh())
+        if not bool(torch.isfinite(stock).all()):
+            return BlockVerdict(False, f"{fused_block.name}: ComfyUI's output on the checked rows is not finite, "
+                                "so they prove nothing; the check runs again on the next call",
+                                compared=False, meaningful=False)
+        fused = fused_block.fused_forward(sub.fresh(), plan=plan, handoff=False)
+        detail = first_difference(f"{fused_block.name} output ({sub.rows} rows)", fused, stock)
+        if detail is None:
+            return BlockVerdict(True, f"{fused_block.name}: {sub.rows} rows bit-identical"
+                                + (" on the second comparison" if attempt else ""))
+    return BlockVerdict(False, detail)
+
+
+def record_block_verdict(state, device: torch.device, probe_set: str, verdict: BlockVerdict) -> None:
+    """Keep the outcome with the model's state and the device's verdicts of ``probe_set`` (the family's); show it on
+    the node that patched the model. A check that proved nothing leaves the model's check pending."""
+    if not verdict.meaningful:
+        return
+    state.block_check = "passed" if verdict.ok else "failed"
+    state.block_check_detail = verdict.detail
+    verdicts.record_block_verdict(device, probe_set, verdict.ok, verdict.detail, verdict.compared)
+    text = (("block self-check passed: " if verdict.ok else "block self-check FAILED, ComfyUI's path runs: ")
+            + verdict.detail)
+    comfy_adapter.send_progress_text(state.node_id, f"H3 fused NVFP4: {text}")

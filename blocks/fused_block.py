@@ -1,0 +1,263 @@
+"""The base of every family's fused block (an object patch on the block's ``forward``).
+
+A family subclass supplies its route through the block and a *call* object describing one call's arguments:
+
+    class FusedFooBlock(FusedBlock):
+        probe_set = "foo"                                   # the family's probe set (core/verdicts.py)
+        def __call__(self, x, ..., transformer_options={}):  # the stock forward's signature
+            return self.run(FooCall(x, ..., transformer_options))
+        def stock_call(self, call): ...                      # ComfyUI's forward of the block on ``call``
+        def fused_forward(self, call, *, plan, handoff=True): ...
+        def input_refusal(self, call): ...                   # what the route cannot take (shapes, dtypes)
+
+The call object has ``x`` (the residual stream, updated in place by the fused route where ComfyUI's block does),
+``transformer_options``, ``prefix(rows)`` (the same call on the first ``rows`` tokens, for the block check) and
+``fresh()`` (a copy whose ``x`` may be written).
+
+:meth:`FusedBlock.run` decides per call: the first call of a patched model runs the block check (blocks/check.py)
+and returns ComfyUI's result; a call the route cannot take (or after a failed check, inside torch.compile, while
+ComfyUI trains) runs ComfyUI's block, with the reason logged once; every other call runs the fused route with the
+forward's plan (core/plan.py). The shared steps of a route are methods here: :meth:`FusedBlock.norm_source` folds a
+norm into the next projection's pack, :meth:`FusedBlock.residual` runs the residual kernel that also produces the
+next norm's statistics, and the hand-over between consecutive blocks goes through the model's state (blocks/state.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+
+import torch
+
+from .. import comfy_adapter
+from ..comfy_adapter import allocation_context
+from ..core.calibration import RecordingForward, recording_paused
+from ..core.fallbacks import note_fallback
+from ..core.linear import FusedNVFP4Linear, LinearSource, PackPatch
+from ..core.plan import ForwardPlan, block_op, plan_for
+from ..kernels.backend import KernelBuildError
+from ..layout import RmsNorm
+from .check import BlockVerdict, compare_block, record_block_verdict
+from .state import ModelState
+
+# Rows of the real input the block check compares ComfyUI's and the fused block on: bounded extra memory, and the
+# start of every token kind of the usual packed sequences (text, then image or video) is still present.
+BLOCK_CHECK_ROWS = 4096
+
+
+def capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+class FusedBlock(PackPatch):
+    """A family's fused ``forward`` of one block (module docstring)."""
+
+    probe_set: str = ""  # the family's probe set; its block check is the plan op block_op(probe_set)
+
+    def __init__(self, block, name: str, index: int, state: ModelState):
+        self.block = block
+        self.name = name
+        self.index = index
+        self.state = state
+        self.next: FusedBlock | None = None  # the fused block of index + 1, set by the family's patch
+        self.stock_forward = type(block).forward.__get__(block)
+        self._workspace: dict = {}
+        # Calls by path (tests and the report read them): "fused" forwards, folded norms by name, "residual" kernels,
+        # "handoff_out" / "handoff_in" statistics handed to / taken from a neighbour.
+        self.counts = collections.Counter()
+
+    # ---- what a family supplies ----------------------------------------------------------------------------
+
+    def stock_call(self, call):
+        raise NotImplementedError
+
+    def fused_forward(self, call, *, plan: ForwardPlan, handoff: bool = True):
+        raise NotImplementedError
+
+    def input_refusal(self, call) -> str | None:
+        return None
+
+    # ---- the stock arm -------------------------------------------------------------------------------------
+
+    def _patched_submodules(self):
+        """(module, this pack's forward patch) of every submodule of the block (attention, MLP, Linears...)."""
+        for module in self.block.modules():
+            if module is self.block:
+                continue
+            forward = module.__dict__.get("forward")
+            if isinstance(forward, PackPatch):
+                yield module, forward
+
+    def recorders(self) -> set:
+        """The calibration recorders of this block's fused Linears (empty unless calibrating)."""
+        return {f.recorder for _, f in self._patched_submodules()
+                if isinstance(f, FusedNVFP4Linear) and f.recorder is not None}
+
+    @contextlib.contextmanager
+    def unpatched(self, keep_recording: bool = False):
+        """ComfyUI's own forwards on this block's submodules for the duration (this pack's object patches lifted):
+        the stock arm of the block check. ``keep_recording``: a calibrating Linear records on the stock forward (the
+        call the user gets)."""
+        saved = list(self._patched_submodules())
+        for module, forward in saved:
+            del module.__dict__["forward"]
+            if keep_recording and isinstance(forward, FusedNVFP4Linear) and forward.recorder is not None:
+                module.__dict__["forward"] = RecordingForward(module, forward.name, forward.recorder)
+        try:
+            yield
+        finally:
+            for module, forward in saved:
+                module.__dict__["forward"] = forward
+
+    # ---- the per-call decision -----------------------------------------------------------------------------
+
+    def refusal(self, call, plan: ForwardPlan) -> str | None:
+        reason = self.input_refusal(call)
+        if reason is not None:
+            return reason
+        if torch.compiler.is_compiling():
+            return "inside torch.compile (the stock block is traced instead)"
+        if comfy_adapter.in_training():
+            return "ComfyUI is training"
+        if self.state.block_check == "failed":
+            return f"the block self-check failed: {self.state.block_check_detail}"
+        return plan.refusal(block_op(self.probe_set))
+
+    def run(self, call):
+        """One call of the block: fused route, ComfyUI's block, or the block check (module docstring)."""
+        plan = plan_for(call.x.device)  # every decision of this forward that does not depend on a tensor's shape
+        reason = self.refusal(call, plan)
+        if reason is None and self.state.block_check == "pending":
+            if capturing(call.x):
+                reason = "the block self-check waits for a call outside CUDA-graph capture"
+            else:
+                return self._block_check(call, plan)
+        if reason is not None:
+            note_fallback(self.name, reason)
+            self.state.drop_handoff()
+            return self.stock_call(call)
+        return self.fused_forward(call, plan=plan)
+
+    def _block_check(self, call, plan: ForwardPlan):
+        """Run ComfyUI's and the fused block on (a prefix of) this call's real input, compare the bytes, record the
+        verdict; return ComfyUI's result of the full call. One host sync, on this call only."""
+        try:
+            with allocation_context(), recording_paused(self.recorders()):  # the check's forwards do not count
+                verdict = compare_block(self, call, BLOCK_CHECK_ROWS, plan)
+        except Exception as exc:  # the check itself must never break the user's graph
+            verdict = BlockVerdict(False, f"the block self-check could not run: {type(exc).__name__}: {exc}",
+                                   compared=False)
+        if not verdict.meaningful:
+            note_fallback(self.name, verdict.detail)
+        record_block_verdict(self.state, call.x.device, self.probe_set, verdict)
+        self.state.drop_handoff()
+        with self.unpatched(keep_recording=True):
+            return self.stock_call(call)
+
+    # ---- the hand-over to the next block -------------------------------------------------------------------
+
+    def handoff_refusal(self, call) -> str | None:
+        """Why this block may not compute the next block's norm statistics in its last residual (None: it may).
+        Families add their own conditions (a patch that changes x between the blocks, say)."""
+        nxt = self.next
+        if nxt is None:
+            return "the next block is not patched"
+        options = call.transformer_options or {}
+        if options.get("prefetch_dynamic_vbars", False):
+            return "ComfyUI prefetches the next block's weights (dynamic VRAM)"
+        if options.get("block_index", self.index) != self.index:
+            return "the block is not called from the model's block loop"
+        return None
+
+    # ---- workspaces and weights ----------------------------------------------------------------------------
+
+    def buffers(self, x: torch.Tensor, name: str):
+        """Reused per-block device buffers of one norm: fp32 rstd [rows] and a 2-float scalar slot (global scale,
+        spare). Reallocated only when the row count changes."""
+        rows = x.shape[0]
+        key = (name, rows, x.device)
+        buf = self._workspace.get(key)
+        if buf is None:
+            with allocation_context():
+                buf = (torch.empty(rows, dtype=torch.float32, device=x.device),
+                       torch.empty(2, dtype=torch.float32, device=x.device))
+            self._workspace = {k: v for k, v in self._workspace.items() if k[0] != name}  # the old row count
+            self._workspace[key] = buf
+        return buf
+
+    def norm_weight(self, norm, x: torch.Tensor, name: str) -> torch.Tensor:
+        """The norm's weight in the activation dtype, valid for the rest of this forward: the resident parameter
+        itself, or a copy in a persistent buffer when ComfyUI's cast hands out a temporary (offloaded weights)."""
+        with comfy_adapter.norm_weight(norm, x) as w:
+            own = getattr(norm, "weight", None)
+            if own is not None and w.data_ptr() == own.data_ptr() and w.dtype == x.dtype:
+                return w
+            key = ("weight", name, w.shape[0], x.device, x.dtype)
+            buf = self._workspace.get(key)
+            if buf is None:
+                with allocation_context():
+                    buf = self._workspace.setdefault(key, torch.empty(w.shape[0], dtype=x.dtype, device=x.device))
+            return buf.copy_(w)
+
+    # ---- shared steps of a fused route ---------------------------------------------------------------------
+
+    def fold_refusal(self, x: torch.Tensor, norm, plan: ForwardPlan) -> str | None:
+        """None if RMSNorm module ``norm`` can be folded into the kernels for this input, else why not."""
+        if getattr(norm, "weight", None) is None or tuple(getattr(norm, "normalized_shape", ())) != (x.shape[-1],):
+            return "the norm has no weight over the hidden size"
+        if getattr(norm, "weight_function", None) or getattr(norm, "bias_function", None):
+            return "the norm weight is patched on the fly"
+        return plan.refusal("rms_norm") or plan.backend.rms_norm_support(x, norm.weight)
+
+    def norm_source(self, plan: ForwardPlan, x: torch.Tensor, norm, modulation, name: str, layer, incoming,
+                    modulate):
+        """``(input, source)`` of the projection after RMSNorm ``norm``: ``x`` normalized (and modulated) on the fly
+        inside the projection's pack, with the statistics handed over by the previous block (``incoming``: its
+        ``norm`` and ``global_scale``) or made here in one statistics pass; or, where the norm cannot fold, torch's
+        norm output with the modulation on the fly. ``modulate(n)`` is ComfyUI's modulation of a norm output (the
+        stock input when the projection refuses); ``layer``: the projection's fused Linear (None: not NVFP4)."""
+        reason = self.fold_refusal(x, norm, plan)
+        if reason is None and incoming is not None:
+            self.counts[name] += 1
+            return x, LinearSource(lambda: modulate(norm(x)), modulation=modulation, norm=incoming.norm,
+                                   global_scale=incoming.global_scale)
+        if reason is None:
+            rstd, scalars = self.buffers(x, name)
+            dynamic = layer is not None and layer.dynamic_scale()
+            rms = RmsNorm(self.norm_weight(norm, x, name), float(norm.eps), rstd)
+            try:
+                plan.backend.norm_statistics(x, rms, modulation=modulation,
+                                             global_scale_out=scalars[0:1] if dynamic else None)
+            except (KernelBuildError, ValueError) as exc:
+                reason = f"norm statistics kernel failed: {exc}"
+            if reason is None:
+                self.counts[name] += 1
+                return x, LinearSource(lambda: modulate(norm(x)), modulation=modulation, norm=rms,
+                                       global_scale=scalars[0:1] if dynamic else None)
+        note_fallback(f"{self.name}.{name}", f"torch's RMSNorm runs: {reason}")
+        n = norm(x)
+        return n, LinearSource(lambda: modulate(n), modulation=modulation)
+
+    def residual(self, plan: ForwardPlan, x, gate, other, index, next_norm, next_modulation, global_scale_out,
+                 stock_gate):
+        """In place ``x += other * gate[index[r]]``; with ``next_norm`` also that norm's statistics of the new x (and
+        the next projection's global scale into ``global_scale_out``). ``stock_gate()`` is ComfyUI's op, run where
+        the kernel cannot. Returns whether the statistics were produced."""
+        reason = plan.refusal("gated_residual") or plan.backend.residual_support(x, other, gate, next_norm=next_norm)
+        if reason is None:
+            try:
+                plan.backend.gated_residual_(x, other, gate, index, next_norm=next_norm,
+                                             next_modulation=next_modulation, global_scale_out=global_scale_out)
+                self.counts["residual"] += 1
+                return next_norm is not None
+            except (KernelBuildError, ValueError) as exc:
+                reason = f"kernel failed: {exc}"
+        note_fallback(f"{self.name} gated residual", reason)
+        stock_gate()
+        if next_norm is None:
+            return False
+        try:  # the statistics still save the norm's write and read
+            plan.backend.norm_statistics(x, next_norm, modulation=next_modulation, global_scale_out=global_scale_out)
+            return True
+        except (KernelBuildError, ValueError):
+            return False
