@@ -51,12 +51,18 @@ function displayText(node) {
 
 // The height the text takes in the box at the box's width, wrapped as the browser wraps it: an off-screen element
 // with the text box's font, padding and wrapping rules (a textarea wraps like pre-wrap + break-word). Measured once
-// per text and width, as the frontend asks for the box's height on every layout.
+// per text, width and font, as the frontend asks for the box's height on every layout.
 let measurer = null;
 const measured = new Map();
 
 function textHeight(text, width, el) {
-  const key = `${width}\u0000${text}`;
+  const style = el?.isConnected ? getComputedStyle(el) : null; // the frontend's font, once the box is in the page
+  const font = {
+    fontFamily: style?.fontFamily || "monospace",
+    padding: style?.padding || "2px",
+    letterSpacing: style?.letterSpacing || "normal",
+  };
+  const key = [width, font.fontFamily, font.padding, font.letterSpacing, text].join("\u0000");
   if (measured.has(key)) return measured.get(key);
   if (!measurer) {
     measurer = document.createElement("div");
@@ -67,15 +73,7 @@ function textHeight(text, width, el) {
     });
   }
   if (!measurer.isConnected) document.body.appendChild(measurer);
-  const style = el?.isConnected ? getComputedStyle(el) : null;
-  Object.assign(measurer.style, {
-    width: `${width}px`,
-    fontFamily: style?.fontFamily || "monospace",
-    fontSize: `${FONT_PX}px`,
-    lineHeight: `${LINE_PX}px`,
-    padding: style?.padding || "2px",
-    letterSpacing: style?.letterSpacing || "normal",
-  });
+  Object.assign(measurer.style, font, { width: `${width}px`, fontSize: `${FONT_PX}px`, lineHeight: `${LINE_PX}px` });
   measurer.textContent = text;
   const height = measurer.offsetHeight;
   if (measured.size > 200) measured.clear();
