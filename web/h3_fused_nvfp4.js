@@ -116,7 +116,7 @@ function ensureWidget(node) {
   Object.assign(el.style, {
     opacity: "0.85", fontSize: `${FONT_PX}px`, lineHeight: `${LINE_PX}px`, resize: "none", overflowY: "auto",
   });
-  let widget = null;
+  let widget = null; // the frontend may lay the node out inside addDOMWidget, before it returns the widget
   widget = node.addDOMWidget(WIDGET_NAME, "h3_decision_text", el, {
     serialize: false,
     hideOnZoom: true,
