@@ -194,6 +194,17 @@ def load_diffusion_model(path: str, model_options: dict):
     return comfy.sd.load_diffusion_model(path, model_options=model_options)
 
 
+def model_compute_dtype(model_patcher) -> torch.dtype | None:
+    """The dtype ComfyUI runs the diffusion model in (``BaseModel.get_dtype_inference``: its manual-cast dtype, else
+    its weights' dtype; ``apply_model`` casts the input to it), a ``manual_cast_dtype`` object patch on the clone
+    included; None for a model that does not say."""
+    patched = getattr(model_patcher, "object_patches", {}).get("manual_cast_dtype")
+    if patched is not None:
+        return patched
+    dtype_inference = getattr(getattr(model_patcher, "model", None), "get_dtype_inference", None)
+    return dtype_inference() if callable(dtype_inference) else None
+
+
 def progress_bar(total: int):
     import comfy.utils
 

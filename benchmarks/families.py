@@ -775,6 +775,7 @@ def main(argv=None) -> int:
                      else "full (official widths)", "layers": args.layers, "dtype": args.dtype,
                      "sigmas": list(SIGMAS), "reps": args.reps, "seed": args.seed,
                      "nvfp4_compute": "forced on (GEMM emulated below sm_100)",
+                     "stock_arm_gemm": rep.stock_gemm_note(device),
                      "ncu": "yes" if run_ncu else ("no: --tiny runs on the CPU, without Nsight Compute" if args.tiny
                                                    else "no: --no-ncu")},
         "families": {},

@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     import comfy.model_management as mm
 
     from h3_fused_nvfp4.models import patch
-    from h3_fused_nvfp4.tools.report import device_info, differing
+    from h3_fused_nvfp4.tools.report import device_info, differing, stock_gemm_note
 
     comfy_env.force_nvfp4_compute("bf16")
     if not args.tiny and mm.get_torch_device() != device:
@@ -169,7 +169,8 @@ def main(argv=None) -> int:
                            "dims": cfg["dims"].label, "dit_blocks": cfg["layers"], "refiner_blocks": cfg["refiners"],
                            "video_latent": [1, 24, *cfg["latent"]], "audio_latent": [1, 32, 2, cfg["audio_t"]],
                            "text_tokens": cfg["text"], "text_dim": cfg["text_dim"], "sigmas": list(SIGMAS),
-                           "seed": args.seed, "nvfp4_compute": "forced on (GEMM emulated below sm_100)"}}
+                           "seed": args.seed, "nvfp4_compute": "forced on (GEMM emulated below sm_100)",
+                           "stock_arm_gemm": stock_gemm_note(device)}}
     stock_patcher, result["load"] = build_model(cfg, device, args.seed)
     dm = stock_patcher.model.diffusion_model
     inputs = make_inputs(cfg, dm, device, args.seed + 1)

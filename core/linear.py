@@ -28,7 +28,8 @@ runs it unquantized) and an empty one stay on ComfyUI's path.
 On compute capability < 10 there is no NVFP4 GEMM; ComfyUI itself then keeps these layers in full precision
 (``_full_precision_mm``) and so does this path. When NVFP4 compute is forced on such a GPU (tests, benchmarks),
 the GEMM is *emulated* exactly as comfy-kitchen's dispatch does after the FP4 GEMM fails: dequantize both
-operands and run a bf16 ``F.linear``. Logs and benchmark JSON call it emulation.
+operands and run ``F.linear`` in the activation's dtype (bf16, or fp16 for a model computing in fp16). Logs and
+benchmark JSON call it emulation.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def checked_op(op: str, dtype: torch.dtype) -> str:
 
 
 def gemm_mode(device: torch.device) -> str:
-    """``"nvfp4"`` (cuBLASLt FP4 GEMM, compute capability >= 10) or ``"emulated"`` (dequantize + bf16 matmul)."""
+    """``"nvfp4"`` (cuBLASLt FP4 GEMM, compute capability >= 10) or ``"emulated"`` (dequantize + a matmul in the
+    activation's dtype)."""
     if device.type != "cuda":
         return "emulated"
     return "nvfp4" if torch.cuda.get_device_capability(device)[0] >= 10 else "emulated"

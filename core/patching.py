@@ -18,6 +18,7 @@ import torch
 
 from .. import comfy_adapter
 from ..kernels import cuda_ops, runtime
+from ..layout import PACK_DTYPE_NAMES
 from . import verdicts
 from .linear import FusedNVFP4Linear, PackPatch, gemm_mode, is_nvfp4_linear
 from .probes import LINEAR_PROBES
@@ -118,13 +119,19 @@ def kernel_status(device: torch.device) -> tuple[bool, str]:
         return False, f"build failed: {exc}"
 
 
-def gemm_description(device: torch.device) -> str:
+def gemm_description(device: torch.device, compute_dtype: torch.dtype | None) -> str:
+    """The GEMM the fused Linears call on ``device`` for a model computing in ``compute_dtype`` (None: unknown)."""
     if gemm_mode(device) == "nvfp4":
         return "cuBLASLt NVFP4"
+    if compute_dtype is None:
+        layers, emulation = "the model's compute dtype", "dequantize + matmul in the model's compute dtype"
+    else:
+        layers = PACK_DTYPE_NAMES.get(compute_dtype, str(compute_dtype).removeprefix("torch."))
+        emulation = f"dequantize + {layers} matmul"
     if device.type == "cuda":
-        return ("none on this GPU (no FP4 tensor cores): ComfyUI keeps NVFP4 layers in bf16 here, so the fused path "
-                "only runs when NVFP4 compute is forced on, with an emulated GEMM (dequantize + bf16 matmul)")
-    return "emulated (dequantize + bf16 matmul)"
+        return (f"none on this GPU (no FP4 tensor cores): ComfyUI keeps NVFP4 layers in {layers} here, so the fused "
+                f"path only runs when NVFP4 compute is forced on, with an emulated GEMM ({emulation})")
+    return f"emulated ({emulation})"
 
 
 # ---- the clone's state -------------------------------------------------------------------------------------
@@ -219,7 +226,7 @@ def apply_fused(model_patcher, scope: str, families: tuple[ModelFamily, ...], *,
         if refusal is not None:
             report.applied, report.reason = False, refusal
     if report.applied:
-        report.gemm = gemm_description(device)
+        report.gemm = gemm_description(device, comfy_adapter.model_compute_dtype(clone))
         for key, value in patches.items():
             clone.add_object_patch(f"diffusion_model.{key}", value)
     set_state(clone, mode="fused" if report.applied else "comfy", scope=scope, summary=report.summary())

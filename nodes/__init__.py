@@ -60,6 +60,9 @@ def _toggle_scope_input():
 
 
 def _output(model, summary: str) -> io.NodeOutput:
+    """The node's MODEL and its decision text as UI output (web/h3_fused_nvfp4.js shows it on the node). The nodes
+    declare ``has_intermediate_output``: when ComfyUI serves them from its execution cache (the same graph queued
+    again, from any tab), it sends their cached UI output again, so the text shows for a cached run too."""
     return io.NodeOutput(model, ui=ui.PreviewText(summary))
 
 
@@ -88,6 +91,7 @@ class H3FusedNVFP4Loader(io.ComfyNode):
             node_id="H3FusedNVFP4Loader",
             display_name="Load Diffusion Model (Fused NVFP4)",
             category=CATEGORY,
+            has_intermediate_output=True,  # see _output
             description=(
                 "Loads any diffusion model file exactly like 'Load Diffusion Model' and replaces the activation "
                 "packing of every NVFP4 Linear with a fused CUDA kernel; on MiniMax H3 it also fuses the "
@@ -118,6 +122,7 @@ class H3FusedNVFP4Patch(io.ComfyNode):
             node_id="H3FusedNVFP4Patch",
             display_name="Patch Model (Fused NVFP4)",
             category=CATEGORY,
+            has_intermediate_output=True,  # see _output
             description=(
                 "Applies the fused NVFP4 path to any MODEL from any loader (for example after a LoRA loader): "
                 "every NVFP4 Linear, plus the block fusion on MiniMax H3. Works on a clone; the input model is "
@@ -142,6 +147,7 @@ class H3FusedNVFP4Toggle(io.ComfyNode):
             node_id="H3FusedNVFP4Toggle",
             display_name="Fused NVFP4 Toggle",
             category=CATEGORY,
+            has_intermediate_output=True,  # see _output
             description=(
                 "Chooses, on a clone of any model, between the fused kernels and ComfyUI's own NVFP4 path. "
                 "Both give the "
@@ -174,6 +180,7 @@ class H3FusedNVFP4Calibrate(io.ComfyNode):
             node_id="H3FusedNVFP4Calibrate",
             display_name="Calibrate H3 NVFP4 Scales",
             category=CATEGORY,
+            has_intermediate_output=True,  # see _output
             description=(
                 "Records, while the model samples, the largest activation every NVFP4 layer of the H3 blocks sees "
                 "(on the GPU, no slowdown from host syncs). Sample with it as usual, then save the scales with "

@@ -1,9 +1,10 @@
 """Test setup: import this repository as the package ``h3_fused_nvfp4``, find the real ComfyUI the tests run.
 
 ComfyUI imports a custom node folder under whatever name the folder has; the tests pin one name so that the
-package's relative imports resolve the same way outside ComfyUI. Which ComfyUI the tests use (tools/
-comfy_env.py: ``COMFYUI_PATH``, the ComfyUI this folder is installed in, ``../shared/comfyui``) is printed in
-pytest's header.
+package's relative imports resolve the same way outside ComfyUI, whatever the clone's folder is called (pytest.ini
+beside this file keeps pytest itself from importing the repository root under the folder's name). Which ComfyUI
+the tests use (tools/comfy_env.py: ``COMFYUI_PATH``, the ComfyUI this folder is installed in,
+``../shared/comfyui``) is printed in pytest's header.
 """
 
 import importlib.util

@@ -1,5 +1,7 @@
 """The layout's rules that lint-imports does not state: no import cycle among the pack's modules, no folder that
-holds most of the product, every shipped source in a room of its own role (README's layout table names each)."""
+holds most of the product, every shipped source in a room of its own role (README's layout table names each); and
+no test that asserts on a wall-clock time (times belong in the benchmarks: a loaded machine makes such a test
+flaky)."""
 
 from __future__ import annotations
 
@@ -155,3 +157,62 @@ def test_a_family_name_in_a_shared_layer_is_caught(tmp_path):
     (tmp_path / "kernels" / "planted.cu").write_text('// a comment may say H3\n__global__ void wan_norm() {}\n')
     (tmp_path / "layout.py").write_text('log = "H3 fused NVFP4: a product message"\n')
     assert family_words_in_shared_layers(tmp_path) == {"core/planted.py": {"minimax"}, "kernels/planted.cu": {"wan"}}
+
+
+CLOCKS = {"perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "time", "time_ns", "process_time",
+          "process_time_ns"}
+
+
+def _reads_a_clock(node: ast.AST, timed: set[str]) -> bool:
+    """``node`` calls ``time.<clock>()`` or uses a name bound to such a reading."""
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr in CLOCKS \
+                and isinstance(sub.func.value, ast.Name) and sub.func.value.id == "time":
+            return True
+        if isinstance(sub, ast.Name) and sub.id in timed:
+            return True
+    return False
+
+
+def timed_assertions(source: str) -> list[int]:
+    """Lines of ``assert`` statements that compare a clock reading (directly or through names bound to one)."""
+    lines = []
+    for function in ast.walk(ast.parse(source)):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        timed: set[str] = set()
+        for node in ast.walk(function):  # bindings first: a name bound to a reading taints every later use
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.value is not None \
+                    and _reads_a_clock(node.value, timed):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                timed |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        lines += [node.lineno for node in ast.walk(function) if isinstance(node, ast.Assert)
+                  and any(isinstance(c, ast.Compare) and _reads_a_clock(c, timed) for c in ast.walk(node.test))]
+    return sorted(set(lines))
+
+
+def test_timed_assertions_are_found():
+    source = """
+def test_a():
+    t0 = time.perf_counter()
+    work()
+    seconds = time.perf_counter() - t0
+    assert seconds < 5.0
+def test_b():
+    assert time.monotonic() - start < 1
+def test_c():
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        pass
+    assert result == 3
+"""
+    assert timed_assertions(source) == [6, 8]
+
+
+def test_no_test_asserts_on_a_wall_clock_time():
+    found = {}
+    for path in sorted((REPO_ROOT / "tests").rglob("*.py")):
+        lines = timed_assertions(path.read_text(encoding="utf-8"))
+        if lines:
+            found[str(path.relative_to(REPO_ROOT))] = lines
+    assert not found, f"tests asserting on a measured time (measure it in a benchmark instead): {found}"

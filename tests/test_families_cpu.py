@@ -142,6 +142,41 @@ def test_meta_entry_shapes_match_comfy_quantization():
                {k: (tuple(v.shape), v.dtype) for k, v in meta.items()}
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_node_text_names_the_compute_dtype_of_the_emulated_gemm(dtype, monkeypatch, detection_reads_metadata,
+                                                                 clean_models):
+    """Wan 2.2 loaded by ComfyUI to compute in fp16 (its default) or bf16: the patch's summary, the text the nodes
+    show, names the dtype the emulated GEMM multiplies in (the activation's: ComfyUI's apply_model casts the input to
+    the model's inference dtype)."""
+    import comfy.sd
+
+    from h3_fused_nvfp4.tools import comfy_env
+
+    comfy_env.force_nvfp4_compute(dtype, monkeypatch.setattr)
+    sd, metadata = fam.family_state_dict("wan22_14b", width="tiny", seed=11)
+    patcher = comfy.sd.load_diffusion_model_state_dict(sd, metadata=metadata)
+    want = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    assert patcher.model.get_dtype_inference() == want
+    clone, report = patch.apply_fused(patcher, "linears", allow_reference_backend=True)
+    assert report.applied, report.reason
+    other = {"fp16": "bf16", "bf16": "fp16"}[dtype]
+    assert f"GEMM emulated (dequantize + {dtype} matmul)" in report.summary(), report.summary()
+    assert f"{other} matmul" not in report.summary(), report.summary()
+
+
+@pytest.mark.parametrize("dtype, layers, emulation", [
+    (torch.float16, "fp16", "dequantize + fp16 matmul"), (torch.bfloat16, "bf16", "dequantize + bf16 matmul"),
+    (None, "the model's compute dtype", "dequantize + matmul in the model's compute dtype")])
+def test_gemm_text_on_a_gpu_without_fp4_names_the_compute_dtype(monkeypatch, dtype, layers, emulation):
+    """On a GPU without FP4 tensor cores (the H200) the text says which dtype ComfyUI keeps the layers in."""
+    from h3_fused_nvfp4.core import patching
+
+    monkeypatch.setattr(patching, "gemm_mode", lambda device: "emulated")
+    text = patching.gemm_description(torch.device("cuda", 0), dtype)
+    assert f"keeps NVFP4 layers in {layers} here" in text and f"({emulation})" in text, text
+    assert not {"bf16", "fp16"} - {layers} & set(text.replace("(", " ").split()), text
+
+
 def test_print_timings():
     """Summary of the family runs above (pytest -s shows it)."""
     for name, t in TIMINGS.items():

@@ -21,3 +21,4 @@ def test_full_model_tiny_run_is_bit_identical(tmp_path):
     assert parity["fused_linears"] == 16 and parity["fused_linear_stock_calls"] == 0, parity
     assert [f["label"] for f in result["fused"]["forwards"]] == ["first (block check)", "compared", "timed"]
     assert result["workload"]["packed_tokens"] == 7 + 2 * 5 + 2 * 4 * 4
+    assert result["workload"]["stock_arm_gemm"] is None  # said on GPUs without FP4 tensor cores only

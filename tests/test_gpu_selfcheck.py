@@ -1,9 +1,8 @@
-"""The first-use self-check on the GPU: every kernel probe passes against ComfyUI's ops within its time budget, a
+"""The first-use self-check on the GPU: every kernel probe passes against ComfyUI's ops (its time: report.py), a
 planted wrong kernel (NVFP4_PLANT_FAULT: bf16 and fp16 rounding toward zero) fails it and the model falls back for
 those ops with the message, and a cached cubin the driver refuses is rebuilt."""
 
 import logging
-import time
 
 import pytest
 import torch
@@ -26,18 +25,15 @@ def _ops():
     return ops
 
 
-def test_kernel_selfcheck_passes_well_under_a_second():
+def test_kernel_selfcheck_passes():
+    """(How long the check takes on the GPU is measured by report.py: ``selfcheck.seconds``, and per op ``ms``.)"""
     ops = _ops()
-    verdicts.run_probes(ops, CUDA, PROBE_SETS)  # kernels built and loaded
-    t0 = time.perf_counter()
     results = verdicts.run_probes(ops, CUDA, PROBE_SETS)
-    seconds = time.perf_counter() - t0
     failed = {n: r.detail for n, r in results.items() if r.ok is False}
     assert not failed, failed
     assert results["rms_rope"].ok is True and results["rms_norm"].ok is True
     if torch.cuda.get_device_capability()[0] >= 10:
         assert results["linear"].ok is True
-    assert seconds < 1.0, f"the self-check took {seconds:.3f} s once the kernels were built"
 
 
 def test_planted_wrong_kernel_fails_and_the_model_falls_back(monkeypatch, tmp_path, caplog):

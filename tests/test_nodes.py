@@ -179,6 +179,34 @@ def test_loader_toggle_whole_model_bit_identical(pack, model_file, clean_models,
     assert_unpatched(dm, stock_forwards(dm))
 
 
+def test_a_cached_run_sends_each_pack_nodes_text_again(pack, model_file, clean_models, comfyui):
+    """The same graph queued again from another tab is served from ComfyUI's execution cache: no pack node runs, and
+    ComfyUI's executor sends each one's cached decision text to that tab (the nodes declare
+    ``has_intermediate_output``), in the prompt's history too. Without it the new tab gets no text at all."""
+    prompt = load_graph("block")
+    prompt["f"] = ch.forward_node(["3", 0], "cached run", seed=5)
+    server = ch.FakeServer()
+    execution = comfyui.execution
+    executor = execution.PromptExecutor(server, cache_type=execution.CacheType.CLASSIC,
+                                        cache_args={"lru": 0, "ram": 0, "ram_inactive": 0})
+    texts = {}
+    for run, client in enumerate(("first tab", "fresh tab")):
+        server.messages.clear()
+        executor.execute(prompt, f"prompt {run}", {"client_id": client}, ["f"])
+        assert executor.success, executor.status_messages
+        sent = {d["node"]: d["output"]["text"] for event, d, sid in server.messages
+                if event == "executed" and sid == client and d["output"] and "text" in d["output"]}
+        history = {k: v["text"] for k, v in executor.history_result["outputs"].items() if "text" in v}
+        if run == 0:
+            texts = sent
+            assert set(texts) == {"1", "3"} and history == texts, (texts, history)  # 2 feeds no output
+            continue
+        (cached,) = [d["nodes"] for event, d in executor.status_messages if event == "execution_cached"]
+        assert {"1", "3", "f"} <= set(cached), cached
+        assert not [d for event, d, sid in server.messages if event == "executing" and d["node"] in texts]
+        assert sent == texts and history == texts, (sent, history, texts)
+
+
 def test_patch_node_after_comfyui_sparse_attention(pack, model_file, clean_models, comfyui):
     """ComfyUI's sparse-attention patch (``apply_block_sparse_attention``, what its BlockSparseAttention node does: a
     block-replace patch per block and an attention override; on the CPU it runs dense), then the Patch node: the

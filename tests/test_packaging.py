@@ -291,15 +291,19 @@ def restore_node_mappings(comfyui):
                 mapping[key] = value
 
 
-@pytest.mark.slow
-def test_install_like_a_user(tmp_path, comfyui, restore_node_mappings):
-    custom_nodes = tmp_path / "ComfyUI" / "custom_nodes"
-    target = custom_nodes / FOLDER_NAME
+def copy_user_files(target: pathlib.Path) -> None:
     files = user_files()
     assert "pyproject.toml" in files and "requirements.txt" in files and "__init__.py" in files
     for rel in files:
         (target / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO_ROOT / rel, target / rel)
+
+
+@pytest.mark.slow
+def test_install_like_a_user(tmp_path, comfyui, restore_node_mappings):
+    custom_nodes = tmp_path / "ComfyUI" / "custom_nodes"
+    target = custom_nodes / FOLDER_NAME
+    copy_user_files(target)
     requirements = target / "requirements.txt"
 
     # 1. In a ComfyUI environment (this one: torch, ComfyUI's and the test dependencies), the pack's requirements
@@ -336,3 +340,64 @@ def test_install_like_a_user(tmp_path, comfyui, restore_node_mappings):
 
     if resolved is None:
         pytest.skip("package index unreachable: checked offline resolution and loading only")
+
+
+# A python for dev.sh's VENV that is this test environment, except that it refuses to create or install anything.
+REFUSING_PYTHON = """#!/bin/sh
+case "$1 $2" in
+  "-m venv"|"-m pip") echo "refused: $*" >&2; exit 97 ;;
+esac
+exec "{python}" "$@"
+"""
+# A few tests that import the pack and ComfyUI and load the pack through ComfyUI's loader from the folder they run in.
+DEV_SH_TEST_SELECTION = "test_pack_loads_as_v3_through_comfyui_loader or test_comfyui_parses_pyproject"
+
+
+def comfyui_like_tree(root: pathlib.Path, comfyui_root: pathlib.Path) -> pathlib.Path:
+    """``root`` made a ComfyUI: links to every entry of the real one (its pytest.ini included) but ``custom_nodes``,
+    which is a folder of its own; returns that folder."""
+    root.mkdir(parents=True)
+    for entry in comfyui_root.iterdir():
+        if entry.name != "custom_nodes":
+            (root / entry.name).symlink_to(entry)
+    (root / "custom_nodes").mkdir()
+    return root / "custom_nodes"
+
+
+def dev_sh_venv(tmp_path: pathlib.Path) -> pathlib.Path:
+    """dev.sh's VENV: this environment (lint tools included), its setup stamp, a python that refuses to install."""
+    stamp = pathlib.Path(sys.prefix) / ".dev-setup-stamp"
+    if not stamp.is_file():
+        pytest.skip(f"this environment ({sys.prefix}) was not made by ./dev.sh setup")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    shutil.copy2(stamp, venv / ".dev-setup-stamp")
+    python = venv / "bin" / "python"
+    python.write_text(REFUSING_PYTHON.format(python=sys.executable))
+    python.chmod(0o755)
+    for tool in ("lint-imports", "ruff"):
+        (venv / "bin" / tool).symlink_to(pathlib.Path(sys.executable).parent / tool)
+    return venv
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("bash") is None, reason="dev.sh is a bash script")
+@pytest.mark.parametrize("folder", [FOLDER_NAME, "h3-fused-nvfp4-main"])  # git, the registry, Manager; a zip download
+def test_dev_sh_test_passes_in_a_clone_in_comfyui_custom_nodes(tmp_path, comfyui, folder):
+    """The README's install folder: ``./dev.sh test`` in ``ComfyUI/custom_nodes/<folder>`` (a ComfyUI with its own
+    pytest.ini above the clone) finds that ComfyUI, lints, and passes; the pack loads through ComfyUI's loader from
+    there."""
+    target = comfyui_like_tree(tmp_path / "ComfyUI", comfyui.root) / folder
+    copy_user_files(target)
+    venv = dev_sh_venv(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ("COMFYUI_PATH", "H3_FUSED_NVFP4_CACHE", "PYTEST_ADDOPTS")}
+    env.update(VENV=str(venv), PYTHON=str(venv / "bin" / "python"))
+    proc = subprocess.run(["bash", "dev.sh", "test", "-k", DEV_SH_TEST_SELECTION], cwd=target,
+                          env=env, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert "refused:" not in output, "dev.sh tried to install: this environment's setup stamp is stale\n" + output
+    assert f"dev.sh: ComfyUI at {tmp_path / 'ComfyUI'} (installed)" in output, output
+    assert proc.returncode == 0, output
+    summary = re.search(r"^(\d+) passed, \d+ deselected in ", proc.stdout, re.M)
+    assert summary and int(summary.group(1)) == 2, output
+    assert "dev.sh: tests passed" in output

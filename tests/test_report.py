@@ -38,6 +38,7 @@ def test_cpu_report_compares_finite_outputs(cpu_report):
     assert v["fused_linear_calls"] > 0 and v["comfy_path_fallback_calls"] == 0
     assert "CPU run" in report["workload"]["label"]
     assert "0 not finite" in proc.stdout
+    assert report["workload"]["stock_arm_gemm"] is None  # on the CPU torch's scaled_mm runs ComfyUI's FP4 GEMM
 
 
 def test_cpu_report_says_what_a_cpu_run_shows(cpu_report):
@@ -51,6 +52,32 @@ def test_cpu_report_says_what_a_cpu_run_shows(cpu_report):
     report = json.loads(text)
     assert "no CUDA kernel ran" in report["run_kind"] and "no speed figure" in report["run_kind"]
     assert "no CUDA kernel ran" in report["selfcheck"]["note"]
+
+
+@pytest.mark.parametrize("device, mode, said", [("cuda", "emulated", True), ("cuda", "nvfp4", False),
+                                                ("cpu", "emulated", False)])
+def test_the_stock_arms_failed_fp4_gemm_is_named_where_it_happens(monkeypatch, device, mode, said):
+    """On a GPU without FP4 tensor cores (the H200) ComfyUI's NVFP4 Linear tries the FP4 GEMM on every call, fails,
+    warns and dequantizes; the fused one dequantizes directly. The JSON and both READMEs say so beside the times."""
+    from h3_fused_nvfp4.tools import report as rep
+
+    monkeypatch.setattr(rep, "gemm_mode", lambda d: mode)
+    note = rep.stock_gemm_note(torch_device(device))
+    if not said:
+        assert note is None
+        return
+    assert "falling back to dequantization" in note and "every NVFP4 Linear call" in note, note
+    assert "wall-clock" in note and "kernel GPU times count only kernels" in note, note
+    for readme in (ROOT / "README.md", ROOT / "benchmarks" / "README.md"):
+        text = " ".join(readme.read_text(encoding="utf-8").split())
+        assert "falling back to dequantization" in text and "`stock_arm_gemm`" in text, readme
+        assert "include that host work" in text, readme
+
+
+def torch_device(kind: str):
+    import torch
+
+    return torch.device(kind, 0) if kind == "cuda" else torch.device(kind)
 
 
 def test_report_json_names_no_local_path(cpu_report):

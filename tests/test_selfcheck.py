@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 
 import pytest
 import torch
@@ -73,16 +72,14 @@ def changed_block_forward(self, x, t_emb, mod_segments, rope_freqs, transformer_
     return m._mod_gate(x, gate_mlp, self.mlp(h), mod_segments)
 
 
-def test_every_probe_passes_on_the_twin_quickly():
-    t0 = time.perf_counter()
+def test_every_probe_passes_on_the_twin():
+    """(How long the check takes is measured by report.py: ``selfcheck.seconds``, and per op ``ms``.)"""
     results = verdicts.run_probes(fused_ops, CPU, PROBE_SETS)
-    seconds = time.perf_counter() - t0
     declared = {op for s in PROBE_SETS for op in (*s.probes, *s.aliases)}
     assert set(results) == declared and set(plan.OPS) <= declared
     assert {n for n, r in results.items() if r.ok is False} == set(), {n: r.detail for n, r in results.items()}
     assert results["linear"].ok is None and "no FP4 GEMM" in results["linear"].detail
     assert results["linear_f16"].ok is None and results["pack_f16"].ok is True
-    assert seconds < 5.0, f"the self-check took {seconds:.2f} s on the CPU"
 
 
 def test_planted_wrong_op_fails_the_check_and_the_model_falls_back(monkeypatch, caplog):

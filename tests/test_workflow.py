@@ -91,7 +91,7 @@ H3_T2V = Case(
 Z_IMAGE_TURBO_T2I = Case(
     workflow="z_image_turbo_t2i_1024x1024_8steps_fused_nvfp4.json",
     template="templates/image_z_image_turbo.json",
-    # Comfy-Org's Z-Image Turbo NVFP4 file; the templates package names none, the notes call this one a placeholder
+    # Comfy-Org's Z-Image Turbo NVFP4 file (the templates package names none); the Loader's model link downloads it
     unet_name="z_image_turbo_nvfp4.safetensors",
     output_type="SaveImage",
     deliberate={
@@ -536,6 +536,25 @@ def test_notes_explain_files_and_ab(workflow):
     for filename in values:
         assert filename in text, f"{filename} is not in the notes"
     assert "path = comfy" in text and "path = fused" in text
+
+
+# Linked model files that have no download: the link is the README section that says how to make one.
+NO_DOWNLOAD = {"minimax_h3_fl2va_nvfp4.safetensors":
+               "https://github.com/h3-fused-nvfp4/h3-fused-nvfp4#calibrating-and-converting"}
+
+
+def test_model_links_download_the_file(workflow):
+    """The frontend's missing-models list offers each node's ``properties.models[].url`` as the download of that
+    file: a Hugging Face link is a ``/resolve/`` link ending in the file's name, never a folder page (``/tree/``)."""
+    links = [m for n in workflow["nodes"] for m in n.get("properties", {}).get("models", [])]
+    assert links
+    for model in links:
+        name, url = model["name"], model["url"]
+        if name in NO_DOWNLOAD:
+            assert url == NO_DOWNLOAD[name], model
+            continue
+        assert url.startswith("https://huggingface.co/") and "/resolve/" in url and "/tree/" not in url, model
+        assert url.rsplit("/", 1)[1] == name, model
 
 
 # ---------------------------------------------------------------------------------------------------------------------

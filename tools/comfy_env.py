@@ -117,7 +117,7 @@ def h3_importable() -> str | None:
 COMPUTE_DTYPES = ("auto", "bf16", "fp16")
 
 
-def force_nvfp4_compute(dtype: str = "bf16") -> None:
+def force_nvfp4_compute(dtype: str = "bf16", set_attribute=setattr) -> None:
     """Load diffusion models as ComfyUI does on a Blackwell GPU: NVFP4 activations on (ComfyUI allows them only
     with an FP4 GEMM, compute capability >= 10; below it both arms emulate the GEMM the same way), and the compute
     dtype of the quantized model:
@@ -128,21 +128,23 @@ def force_nvfp4_compute(dtype: str = "bf16") -> None:
     * ``"bf16"`` / ``"fp16"``: forced, as ``--bf16-unet`` / ``--fp16-unet`` force the model's dtype, and for the
       compute dtype of a quantized model, which ComfyUI's loader picks on its own (``unet_manual_cast``).
 
-    Call after :func:`import_comfyui`; it changes this process's ComfyUI for good (a benchmark's or a test's)."""
+    Call after :func:`import_comfyui`; it changes this process's ComfyUI for good (a benchmark's), unless
+    ``set_attribute`` is one that undoes its changes later (a test's ``monkeypatch.setattr``)."""
     import comfy.model_management as mm
     import torch
     from comfy.cli_args import args
 
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, not {dtype!r}")
-    mm.supports_nvfp4_compute = lambda *a, **k: True
+    set_attribute(mm, "supports_nvfp4_compute", lambda *a, **k: True)
     if dtype == "auto":
         if not torch.cuda.is_available():
-            mm.should_use_fp16 = lambda *a, **k: True
-            mm.should_use_bf16 = lambda *a, **k: True
+            set_attribute(mm, "should_use_fp16", lambda *a, **k: True)
+            set_attribute(mm, "should_use_bf16", lambda *a, **k: True)
         return
     forced = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    args.bf16_unet, args.fp16_unet = dtype == "bf16", dtype == "fp16"
-    mm.should_use_bf16 = lambda *a, **k: dtype == "bf16"
-    mm.should_use_fp16 = lambda *a, **k: dtype == "fp16"
-    mm.unet_manual_cast = lambda *a, **k: forced
+    set_attribute(args, "bf16_unet", dtype == "bf16")
+    set_attribute(args, "fp16_unet", dtype == "fp16")
+    set_attribute(mm, "should_use_bf16", lambda *a, **k: dtype == "bf16")
+    set_attribute(mm, "should_use_fp16", lambda *a, **k: dtype == "fp16")
+    set_attribute(mm, "unet_manual_cast", lambda *a, **k: forced)

@@ -139,6 +139,19 @@ def device_info(device: torch.device) -> dict:
     return info
 
 
+def stock_gemm_note(device: torch.device) -> str | None:
+    """What ComfyUI's own NVFP4 Linear (the stock arm) does on a GPU without FP4 tensor cores and the fused Linear
+    does not (core/linear.py goes straight to the dequantizing GEMM there); None where the FP4 GEMM runs, and on
+    the CPU, where torch's scaled_mm computes it."""
+    if device.type != "cuda" or gemm_mode(device) == "nvfp4":
+        return None
+    return ("stock arm on this GPU (no FP4 tensor cores), every NVFP4 Linear call: comfy-kitchen first tries its FP4 "
+            "GEMM, which raises, then dequantizes ('NVFP4 scaled_mm failed ... falling back to dequantization', a "
+            "warning ComfyUI's server logs once per call; this run silences that logger). The fused arm dequantizes "
+            "directly. That host work is in the stock arm's wall-clock forward times; kernel GPU times count only "
+            "kernels")
+
+
 def warm_up_gpu(seconds: float = 3.0) -> None:
     """Bring clocks up before measuring (the first milliseconds of a cold GPU run slower)."""
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
@@ -360,7 +373,8 @@ def profile_blocks(args, device) -> dict:
                      "attention": "ComfyUI's optimized_attention (the running ComfyUI's backend)",
                      "gemm": gemm_mode(device) + ("" if gemm_mode(device) == "nvfp4" else
                                                   ": no FP4 tensor cores here, the NVFP4 GEMM is EMULATED in both arms "
-                                                  "(dequantize + bf16 matmul)")},
+                                                  "(dequantize + bf16 matmul)"),
+                     "stock_arm_gemm": stock_gemm_note(device)},
         "validation": {"block_output_differing_elements": differing, "block_output_max_abs_diff": max_abs,
                        "block_output_nonfinite_elements": nonfinite,
                        "fused_linear_calls": sum(v.calls_fused for v in linears),

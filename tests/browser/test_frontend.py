@@ -4,9 +4,18 @@ headless Chromium through Playwright.
 * every example workflow (example_workflows/*.json) opens with no missing node type and no missing-node dialog,
   renders readably at its saved view (zoom above the low-quality threshold, the Loader's title text drawn on the
   canvas, the Loader on screen), and the missing-models list names the folder of each model it links;
-* a tiny random-weight H3 graph (Loader -> Toggle -> Preview Any) runs through the server's queue; the Loader and the
-  Toggle then show their decision text (web/h3_fused_nvfp4.js), which never enters widgets_values or the prompt;
-* the text survives save and reopen (serialized workflow -> loadGraphData), and the pack's progress text shows too.
+* every example workflow opened from the Templates dialog (its card clicked) keeps its saved view, as opened from
+  the file (the frontend fits every template whole into the view, which left them at about a third of their size);
+* a tiny random-weight H3 graph (Loader -> Toggle -> Preview Any, the nodes at the size a new node gets) runs
+  through the server's queue; the Loader and the Toggle then show their whole decision text (web/h3_fused_nvfp4.js:
+  nothing clipped in the box, the box inside the node), which never enters widgets_values or the prompt;
+* the text survives save and reopen (serialized workflow -> loadGraphData), and the pack's progress text shows too;
+* the same graph queued again from a fresh tab is served from ComfyUI's execution cache: the whole text shows there
+  too (ComfyUI re-sends a cached node's UI output: the nodes declare has_intermediate_output), with a line saying the
+  result was reused, and the browser's console logs it.
+
+Every test runs on two frontends: the one tests/requirements-test.txt pins (or ``H3_FRONTEND_ROOT``) and
+comfyui-frontend-package 1.58.1, which the test installs with pip into build/frontends/ (once; ``--front-end-root``).
 
 Only 127.0.0.1 is contacted: every other request is blocked and recorded, and the test asserts there was none.
 Screenshots of each step: tests/browser/artifacts/ (git-ignored). Outside CI the test skips when Playwright, a
@@ -14,7 +23,7 @@ Chromium, ComfyUI's frontend package or its server dependencies are missing; wit
 
 Environment: H3_CHROMIUM (browser binary; default Debian's /usr/lib/chromium/chromium, /usr/bin/chromium),
 H3_FRONTEND_ROOT (a comfyui_frontend_package ``static`` folder to test instead of the installed package),
-H3_UPDATE_THUMBNAILS=1 (write example_workflows/<name>.jpg from the screenshot of the saved view).
+H3_UPDATE_THUMBNAILS=1 (write example_workflows/<name>.jpg from the screenshot of the saved view, pinned frontend).
 """
 
 from __future__ import annotations
@@ -38,6 +47,9 @@ import pytest
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = REPO_ROOT / "example_workflows"
 ARTIFACTS = pathlib.Path(__file__).resolve().parent / "artifacts"
+FRONTENDS_DIR = REPO_ROOT / "build" / "frontends"
+PINNED = "pinned"
+LATER_FRONTEND = "1.58.1"  # a later frontend than the pinned one: the layout and template code changed in between
 PACK_FOLDER = "h3-fused-nvfp4"  # the folder name a registry install uses
 EXTENSION_NAME = "H3FusedNVFP4.DecisionText"
 PACK_NODE_IDS = ("H3FusedNVFP4Loader", "H3FusedNVFP4Patch", "H3FusedNVFP4Toggle", "H3FusedNVFP4Calibrate",
@@ -72,8 +84,26 @@ def chromium_path() -> str | None:
     return None
 
 
-def frontend_root() -> tuple[pathlib.Path, str]:
-    """The frontend's static folder and its version (the installed comfyui-frontend-package or H3_FRONTEND_ROOT)."""
+def later_frontend_root(version: str) -> tuple[pathlib.Path, str]:
+    """comfyui-frontend-package ``version`` installed with pip into build/frontends/<version> (once)."""
+    target = FRONTENDS_DIR / version
+    static = target / "comfyui_frontend_package" / "static"
+    if not (static / "index.html").is_file():
+        shutil.rmtree(target, ignore_errors=True)
+        run = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--quiet",
+                              "--disable-pip-version-check", "--target", str(target),
+                              f"comfyui-frontend-package=={version}"], capture_output=True, text=True, timeout=600)
+        if run.returncode != 0 or not (static / "index.html").is_file():
+            shutil.rmtree(target, ignore_errors=True)
+            unavailable(f"comfyui-frontend-package=={version} could not be installed: {run.stderr[-500:]}")
+    return static, version
+
+
+def frontend_root(which: str = PINNED) -> tuple[pathlib.Path, str]:
+    """The frontend's static folder and its version (the installed comfyui-frontend-package or H3_FRONTEND_ROOT;
+    or a later one)."""
+    if which != PINNED:
+        return later_frontend_root(which)
     override = os.environ.get("H3_FRONTEND_ROOT")
     if override:
         root = pathlib.Path(override)
@@ -105,8 +135,10 @@ def http_get(url: str, timeout: float = 5.0) -> bytes:
 
 
 class Server:
-    def __init__(self, process: subprocess.Popen, port: int, base: pathlib.Path, log: pathlib.Path, frontend: str):
-        self.process, self.port, self.base, self.log, self.frontend = process, port, base, log, frontend
+    def __init__(self, process: subprocess.Popen, port: int, base: pathlib.Path, artifacts: pathlib.Path,
+                 frontend: str):
+        self.process, self.port, self.base, self.artifacts, self.frontend = process, port, base, artifacts, frontend
+        self.log = artifacts / "server.log"
         self.url = f"http://127.0.0.1:{port}"
 
     def log_tail(self, n: int = 60) -> str:
@@ -128,7 +160,7 @@ def write_tiny_model(folder: pathlib.Path) -> None:
     save_file(sd, str(folder / TINY_UNET))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=[PINNED, LATER_FRONTEND])
 def prerequisites(request):
     import comfy_harness
 
@@ -148,8 +180,9 @@ def prerequisites(request):
             importlib.import_module(module)
         except ImportError:
             unavailable(f"{module} (ComfyUI's server needs it) not installed (tests/requirements-test.txt)")
-    root, version = frontend_root()
-    return {"chromium": browser, "frontend_root": root, "frontend_version": version, "comfyui": comfyui}
+    root, version = frontend_root(request.param)
+    return {"chromium": browser, "frontend_root": root, "frontend_version": version, "comfyui": comfyui,
+            "custom_frontend": request.param != PINNED or bool(os.environ.get("H3_FRONTEND_ROOT"))}
 
 
 @pytest.fixture(scope="module")
@@ -172,20 +205,20 @@ def server(prerequisites, tmp_path_factory):
         "Comfy.Workflow.ShowMissingNodesWarning": True,
         "Comfy.Minimap.Visible": False,
     }))
-    ARTIFACTS.mkdir(exist_ok=True)
+    artifacts = ARTIFACTS / ("frontend-" + prerequisites["frontend_version"].replace(":", "-"))
+    artifacts.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    log = ARTIFACTS / "server.log"
     cmd = [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
            "--base-directory", str(base), "--user-directory", str(base / "user"),
            "--output-directory", str(base / "output"), "--temp-directory", str(base / "temp"),
            "--input-directory", str(base / "input"), "--database-url", "sqlite:///:memory:",
            "--disable-auto-launch", "--disable-api-nodes"]  # no partner nodes; the frontend skips its update check
-    if os.environ.get("H3_FRONTEND_ROOT"):
+    if prerequisites["custom_frontend"]:
         cmd += ["--front-end-root", str(prerequisites["frontend_root"])]
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", H3_FUSED_NVFP4_REFERENCE_ON_CPU="1", PYTHONUNBUFFERED="1")
-    with open(log, "w", encoding="utf-8") as out:
+    with open(artifacts / "server.log", "w", encoding="utf-8") as out:
         process = subprocess.Popen(cmd, cwd=comfy_root, env=env, stdout=out, stderr=subprocess.STDOUT)
-    srv = Server(process, port, base, log, prerequisites["frontend_version"])
+    srv = Server(process, port, base, artifacts, prerequisites["frontend_version"])
     try:
         deadline = time.monotonic() + SERVER_START_S
         while True:
@@ -223,6 +256,7 @@ class Browser:
         self.chromium, self.server = chromium, server
         self.blocked: list[str] = []
         self.page_errors: list[str] = []
+        self.console: list[str] = []  # the current page's console messages
         self.context = self.page = None
 
     def route(self, r):
@@ -246,6 +280,8 @@ class Browser:
         self.context.route("**/*", self.route)
         page = self.context.new_page()
         page.on("pageerror", lambda e: self.page_errors.append(str(e)))
+        self.console = []
+        page.on("console", lambda message: self.console.append(message.text))
         page.goto(self.server.url + "/", wait_until="domcontentloaded", timeout=PAGE_S * 1000)
         page.wait_for_function(
             "(name) => window.app && window.app.graph && window.app.canvas && "
@@ -257,7 +293,7 @@ class Browser:
         return page
 
     def shot(self, name: str, **kwargs) -> pathlib.Path:
-        path = ARTIFACTS / f"{name}.png"
+        path = self.server.artifacts / f"{name}.png"
         self.page.screenshot(path=str(path), timeout=30_000, **kwargs)
         return path
 
@@ -275,6 +311,29 @@ class Browser:
         self.js("""async ([graph, name]) => { await window.app.loadGraphData(graph, true, true, name); }""",
                 [graph, name])
         self.page.wait_for_timeout(1000)  # dialogs, error panels and DOM widgets appear on the next frames
+
+    def open_template(self, stem: str):
+        """The Templates dialog (the frontend's Browse Templates command, as its sidebar button runs it), then a
+        click on the card of this pack's example ``stem``."""
+        self.js("async () => { await window.app.extensionManager.command.execute('Comfy.BrowseTemplates'); }")
+        card = self.page.locator(f'[data-testid="template-workflow-{stem}"]').first
+        card.wait_for(timeout=PAGE_S * 1000)
+        card.click()
+        self.page.wait_for_function(
+            "(n) => (window.app.graph._nodes ?? window.app.graph.nodes).length === n && "
+            "!document.querySelector('[data-testid=\"template-workflows-content\"]')",
+            arg=len(json.loads((EXAMPLES / f"{stem}.json").read_text(encoding="utf-8"))["nodes"]),
+            timeout=PAGE_S * 1000)
+        self.page.wait_for_timeout(1500)  # the view is set on the next frames
+
+    def queue(self) -> dict:
+        """The current graph queued through the server's /prompt with this tab's client id (as Run does)."""
+        return self.js("""async () => {
+          const r = await fetch('/prompt', {method: 'POST', headers: {'Content-Type': 'application/json'},
+            body: JSON.stringify({prompt: (await window.app.graphToPrompt()).output,
+                                  client_id: window.comfyAPI?.api?.api?.clientId ?? window.app.api?.clientId}) });
+          return await r.json();
+        }""")
 
 
 @pytest.fixture(scope="module")
@@ -305,14 +364,28 @@ NODE_STATE_JS = """(id) => {
   const el = w?.element ?? w?.h3Element;
   const rect = el ? el.getBoundingClientRect() : null;
   const style = el ? getComputedStyle(el) : null;
+  // the node's body on screen (below its title): the text box must lie inside it
+  const c = window.app.canvas, s = c.ds.scale, o = c.ds.offset, area = c.canvas.getBoundingClientRect();
+  const body = {right: area.left + (node.pos[0] + node.size[0] + o[0]) * s,
+                bottom: area.top + (node.pos[1] + node.size[1] + o[1]) * s};
   return {
     type: node.type, properties: node.properties, size: node.size,
     widget: w ? {value: w.value, serialize: w.serialize, optionsSerialize: w.options?.serialize,
                  domValue: el?.value ?? null,
                  visible: !!rect && rect.width > 20 && rect.height > 20 && style.display !== 'none'
-                          && style.visibility !== 'hidden'} : null,
+                          && style.visibility !== 'hidden',
+                 // every line shown: nothing to scroll to in the box, and the box not cut off by the node's edge
+                 text_px: [el.clientHeight, el.scrollHeight],
+                 whole: el.scrollHeight <= el.clientHeight + 1 && el.scrollWidth <= el.clientWidth + 1
+                        && rect.bottom <= body.bottom + 1 && rect.right <= body.right + 1} : null,
     widgetNames: (node.widgets ?? []).map((w) => w.name),
   };
+}"""
+
+DEFAULT_SIZES_JS = """() => {
+  // every node at the size the frontend gives a node added from the node library
+  for (const node of window.app.graph._nodes ?? window.app.graph.nodes) node.setSize(node.computeSize());
+  window.app.canvas.setDirty(true, true);
 }"""
 
 VIEW_JS = """(loaderType) => {
@@ -450,7 +523,8 @@ def test_example_workflow_opens_readably(browser, workflow):
         assert lines[lines.index(name) + 1] == directory, (name, directory, lines)
     assert not [line for line in lines if line.lower() == "unknown"], lines
 
-    # 2. with the models in place (empty stand-ins): the saved view as it renders
+    # 2. with the models in place (empty stand-ins): the saved view as it renders, opened as a file and from the
+    #    Templates dialog
     for name, directory in linked.items():
         folder = browser.server.base / "models" / directory
         folder.mkdir(parents=True, exist_ok=True)
@@ -461,16 +535,22 @@ def test_example_workflow_opens_readably(browser, workflow):
         browser.close_dialogs()
         view = browser.js(VIEW_JS, "H3FusedNVFP4Loader")
         png = browser.shot(f"{stem}-saved-view")
+        browser.open_page()
+        browser.open_template(stem)
+        browser.close_dialogs()
+        template_view = browser.js(VIEW_JS, "H3FusedNVFP4Loader")
+        template_png = browser.shot(f"{stem}-from-templates-dialog")
     finally:
         for name, directory in linked.items():
             (browser.server.base / "models" / directory / name).unlink()
-    assert view["scale"] >= READABLE_SCALE and not view["lowQuality"], view
-    assert abs(view["scale"] - graph["extra"]["ds"]["scale"]) < 1e-6, view  # the saved view was restored
-    title = view["loaderTitle"]
-    assert 0 <= title["x"] and title["x"] + title["w"] <= view["canvas"]["w"], view
-    assert 0 <= title["y"] and title["y"] + title["h"] <= view["canvas"]["h"], view
-    assert bright_pixels(png, title) > 40, f"no title text drawn on the Loader ({png})"
-    if os.environ.get("H3_UPDATE_THUMBNAILS") == "1":
+    for how, v, shot in (("file", view, png), ("Templates dialog", template_view, template_png)):
+        assert v["scale"] >= READABLE_SCALE and not v["lowQuality"], (how, v)
+        assert abs(v["scale"] - graph["extra"]["ds"]["scale"]) < 1e-6, (how, v)  # the saved view was restored
+        title = v["loaderTitle"]
+        assert 0 <= title["x"] and title["x"] + title["w"] <= v["canvas"]["w"], (how, v)
+        assert 0 <= title["y"] and title["y"] + title["h"] <= v["canvas"]["h"], (how, v)
+        assert bright_pixels(shot, title) > 40, f"no title text drawn on the Loader ({how}: {shot})"
+    if os.environ.get("H3_UPDATE_THUMBNAILS") == "1" and browser.server.frontend != LATER_FRONTEND:
         from PIL import Image
 
         with Image.open(png) as im:  # the graph area: without the side bars and the tab bar
@@ -483,6 +563,7 @@ def test_decision_text_after_a_run_and_after_reopen(browser):
     server = browser.server
     browser.load(tiny_graph(), "h3-tiny")
     browser.close_dialogs()
+    browser.js(DEFAULT_SIZES_JS)
     browser.shot("tiny-before-run")
     before = browser.js(NODE_STATE_JS, 1)
     assert before["widget"] is None and "h3_decision" not in before["properties"], before
@@ -492,12 +573,7 @@ def test_decision_text_after_a_run_and_after_reopen(browser):
     assert set(prompt) == {"1", "2", "3"}, prompt
     assert prompt["1"]["inputs"] == {"unet_name": TINY_UNET, "weight_dtype": "default", "scope": "block"}, prompt
 
-    queued = browser.js("""async () => {
-      const r = await fetch('/prompt', {method: 'POST', headers: {'Content-Type': 'application/json'},
-        body: JSON.stringify({prompt: (await window.app.graphToPrompt()).output,
-                              client_id: window.comfyAPI?.api?.api?.clientId ?? window.app.api?.clientId}) });
-      return await r.json();
-    }""")
+    queued = browser.queue()
     assert "prompt_id" in queued, queued
     entry = wait_for_prompt(server, queued["prompt_id"])
     assert entry["status"]["status_str"] == "success", (entry["status"], server.log_tail())
@@ -514,6 +590,7 @@ def test_decision_text_after_a_run_and_after_reopen(browser):
         state = browser.js(NODE_STATE_JS, node_id)
         assert state["widget"]["value"] == server_text[str(node_id)], (state, server_text)
         assert state["widget"]["domValue"] == server_text[str(node_id)] and state["widget"]["visible"], state
+        assert state["widget"]["whole"], f"node {node_id}'s text is cut off (shown, needed px): {state}"
         assert state["widget"]["serialize"] is False and state["widget"]["optionsSerialize"] is False, state
         assert state["properties"]["h3_decision"] == server_text[str(node_id)], state
     assert "patched" in server_text["1"] or "ComfyUI" in server_text["1"], server_text
@@ -531,7 +608,7 @@ def test_decision_text_after_a_run_and_after_reopen(browser):
 
     # save: widgets_values are the node's own, the text is in properties
     saved = browser.js("() => JSON.stringify(window.app.graph.serialize())")
-    (ARTIFACTS / "tiny-saved.json").write_text(saved, encoding="utf-8")
+    (browser.server.artifacts / "tiny-saved.json").write_text(saved, encoding="utf-8")
     saved = json.loads(saved)
     nodes = {n["id"]: n for n in saved["nodes"]}
     assert nodes[1]["widgets_values"] == [TINY_UNET, "default", "block"], nodes[1]
@@ -552,10 +629,49 @@ def test_decision_text_after_a_run_and_after_reopen(browser):
         state = browser.js(NODE_STATE_JS, node_id)
         want = server_text[str(node_id)] + ("\n" + progress if node_id == 1 else "")
         assert state["widget"] and state["widget"]["value"] == want and state["widget"]["domValue"] == want, state
-        assert state["widget"]["visible"], state
+        assert state["widget"]["visible"] and state["widget"]["whole"], state
     again = json.loads(browser.js("() => JSON.stringify(window.app.graph.serialize())"))
     assert {n["id"]: n["widgets_values"] for n in again["nodes"]} == {n["id"]: n["widgets_values"]
                                                                      for n in saved["nodes"]}
+    assert not browser.page_errors, browser.page_errors
+
+
+def test_a_cached_run_in_a_fresh_tab_shows_the_whole_text(browser):
+    """The graph queued again from a fresh tab: ComfyUI serves every node from its execution cache and runs none; the
+    Loader and the Toggle still show their whole text, say that the result was reused, and the console says so."""
+    server = browser.server
+    texts = {}
+    for tab in ("first tab", "fresh tab"):
+        browser.open_page()  # a new browser context: another client id, an empty graph
+        browser.load(tiny_graph(), f"h3-tiny {tab}")
+        browser.close_dialogs()
+        browser.js(DEFAULT_SIZES_JS)
+        queued = browser.queue()
+        assert "prompt_id" in queued, queued
+        entry = wait_for_prompt(server, queued["prompt_id"])  # the first tab's run may be served from cache too
+        assert entry["status"]["status_str"] == "success", (entry["status"], server.log_tail())
+        sent = {k: v["text"][0] for k, v in entry["outputs"].items() if "text" in v}
+        assert {"1", "2"} <= set(sent), f"{tab}: no text for the pack nodes in the prompt's history: {sent}"
+        if tab == "first tab":
+            texts = sent
+    cached = [m[1]["nodes"] for m in entry["status"]["messages"] if m[0] == "execution_cached"]
+    assert cached and {"1", "2", "3"} <= set(cached[0]), entry["status"]["messages"]
+    assert sent == texts, (sent, texts)
+    browser.page.wait_for_function(
+        """(texts) => Object.entries(texts).every(([id, text]) => {
+             const w = (window.app.graph.getNodeById(id)?.widgets ?? []).find((w) => w.name === 'h3_decision');
+             return w && typeof w.value === 'string' && w.value.startsWith(text);
+           })""", arg={k: texts[k] for k in ("1", "2")}, timeout=30_000)
+    browser.page.wait_for_timeout(500)
+    browser.shot("tiny-cached-fresh-tab")
+    for node_id in ("1", "2"):
+        state = browser.js(NODE_STATE_JS, node_id)
+        lines = state["widget"]["value"].split("\n")
+        assert lines[0] == texts[node_id] and "from ComfyUI's cache" in lines[-1], state
+        assert state["properties"]["h3_decision"] == texts[node_id] and state["properties"]["h3_cached"], state
+        assert state["widget"]["visible"] and state["widget"]["whole"], state
+        logged = [m for m in browser.console if f"node #{node_id} " in m and "served from ComfyUI's cache" in m]
+        assert logged and texts[node_id] in logged[0], browser.console
     assert not browser.page_errors, browser.page_errors
 
 
