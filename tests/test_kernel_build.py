@@ -36,9 +36,16 @@ KERNELS_BY_SOURCE = {
     PACK_SOURCE: ("nvfp4_absmax_plain", "nvfp4_absmax_modulate", "nvfp4_absmax_swiglu", "nvfp4_pack_plain",
                   "nvfp4_pack_modulate", "nvfp4_pack_norm_modulate", "nvfp4_pack_swiglu_table",
                   "nvfp4_pack_swiglu_window", "nvfp4_absmax_prescale", "nvfp4_pack_prescale", "nvfp4_absmax_plain_f16",
-                  "nvfp4_pack_plain_f16", "nvfp4_absmax_prescale_f16", "nvfp4_pack_prescale_f16"),
+                  "nvfp4_pack_plain_f16", "nvfp4_absmax_prescale_f16", "nvfp4_pack_prescale_f16",
+                  # Z-Image's block
+                  "nvfp4_pack_norm_scale", "nvfp4_pack_norm", "nvfp4_absmax_swiglu_pair", "nvfp4_pack_swiglu_pair_table",
+                  "nvfp4_pack_swiglu_pair_window"),
     "residual_norm.cu": ("h3_gated_residual", "h3_row_norm_stats", "h3_row_norm_amax", "h3_row_norm_residual_stats",
-                         "h3_row_norm_residual_amax", "h3_modulation_bounds"),
+                         "h3_row_norm_residual_amax", "h3_modulation_bounds",
+                         # Z-Image's block
+                         "row_norm_amax_scale", "row_norm_amax_norm", "modulation_bounds_scale", "norm_bounds",
+                         "post_norm_residual_gated_stats", "post_norm_residual_gated_amax_scale",
+                         "post_norm_residual_stats", "post_norm_residual_amax_norm"),
     "h3_rms_rope.cu": ("h3_rms_rope_split_half",),
 }
 KERNELS = KERNELS_BY_SOURCE[PACK_SOURCE]
