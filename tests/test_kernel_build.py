@@ -38,8 +38,8 @@ KERNELS_BY_SOURCE = {
                   "nvfp4_pack_swiglu_window", "nvfp4_absmax_prescale", "nvfp4_pack_prescale", "nvfp4_absmax_plain_f16",
                   "nvfp4_pack_plain_f16", "nvfp4_absmax_prescale_f16", "nvfp4_pack_prescale_f16",
                   # Z-Image's block
-                  "nvfp4_pack_norm_scale", "nvfp4_pack_norm", "nvfp4_absmax_swiglu_pair", "nvfp4_pack_swiglu_pair_table",
-                  "nvfp4_pack_swiglu_pair_window"),
+                  "nvfp4_pack_norm_scale", "nvfp4_pack_norm", "nvfp4_absmax_swiglu_pair",
+                  "nvfp4_pack_swiglu_pair_table", "nvfp4_pack_swiglu_pair_window"),
     "residual_norm.cu": ("h3_gated_residual", "h3_row_norm_stats", "h3_row_norm_amax", "h3_row_norm_residual_stats",
                          "h3_row_norm_residual_amax", "h3_modulation_bounds",
                          # Z-Image's block
