@@ -8,7 +8,8 @@ apply_gate(tanh(gate), norm2(out))`` and ``x + norm2(out)`` followed by the next
 tensors against ``FeedForward._forward_silu_gating``. Z-Image's width (3840) and another one (the norm reduction
 depends on K), two batch entries of 37 tokens (rows not a multiple of 16), adaLN rows as the views of one adaLN
 output that ComfyUI's ``chunk(4)`` makes, with and without ``timestep_zero_index``, rows with zeros, -0.0, outliers,
-tiny and heavy-tailed values, dynamic and static global scales.
+tiny and heavy-tailed values, dynamic and static global scales. The norm weights of the dynamic cases are chosen so
+that ComfyUI's global scale rounds up to bf16: a scale rounded any other way (truncated) differs for certain.
 
 The per-head RMSNorm + RoPE of q and k stays comfy-kitchen's ``rms_rope`` (it reads and writes q and k once:
 benchmarks/DECISIONS.md, Z-Image), so it has no probe here.
@@ -82,6 +83,24 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _scale_rounds_up(h: torch.Tensor) -> bool:
+    """Whether ComfyUI's dynamic global scale of ``h``, ``bf16(amax|h| * fp32(1/2688))``, rounds up (the fp32
+    product's dropped half is above one half of a bf16 step)."""
+    product = h.abs().max().float() * torch.tensor(1.0 / 2688.0, dtype=torch.float32, device=h.device)
+    return int(product.view(torch.int32)) & 0xFFFF > 0x8000
+
+
+def _weight_rounding_up(weight: torch.Tensor, stock_of) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` times the first factor 1 + i/64 for which ComfyUI's global scale of ``stock_of(weight)`` (the
+    stock activation built with that norm weight) rounds up, and that activation."""
+    for i in range(64):
+        w = (weight.float() * (1 + i / 64)).to(torch.bfloat16)
+        h = stock_of(w)
+        if _scale_rounds_up(h):
+            return w, h
+    raise RuntimeError("no norm weight of the probe gives a global scale that rounds up")
+
+
 def _check_normalized_pack(backend, device, label, x, norm_weight, modulation, stock_h) -> str | None:
     """The statistics (+ the amax of the modulated, normalized rows) of ``x``, then the normalized pack with the
     dynamic and with a static scale, against ComfyUI's quantizer of ``stock_h``."""
@@ -102,13 +121,14 @@ def check_pack_norm_scale(backend, device) -> str | None:
     modulation, against ComfyUI's RMSNorm module and lumina's ``modulate`` (qkv's and w1 / w3's input)."""
     m = _lumina()
     for k in WIDTHS:
-        x, weight = _tokens(device, k, seed=k), _weight(device, k, seed=k + 1)
-        reason = backend.rms_norm_support(_rows2d(x), weight)
+        x = _tokens(device, k, seed=k)
+        reason = backend.rms_norm_support(_rows2d(x), _weight(device, k, seed=k + 1))
         if reason is not None:
             return f"width {k}: {reason}"
         for label, tzi, rows, index in _cases(device, k, seed=k):
             scale = _adaln_chunks(device, rows, k, seed=k + 2)[0]
-            stock = m.modulate(comfy_rms_norm(k, weight, EPS)(x), scale, timestep_zero_index=tzi)
+            weight, stock = _weight_rounding_up(_weight(device, k, seed=k + 1), lambda w: m.modulate(
+                comfy_rms_norm(k, w, EPS)(x), scale, timestep_zero_index=tzi))
             diff = _check_normalized_pack(backend, device, f"normalized, scale-modulated pack, {label}", _rows2d(x),
                                           weight, Modulation(scale, None, index), _rows2d(stock))
             if diff:
@@ -119,8 +139,8 @@ def check_pack_norm_scale(backend, device) -> str | None:
 def check_pack_norm_unmodulated(backend, device) -> str | None:
     """The same without a modulation (the refiner blocks' qkv and w1 / w3 inputs): ComfyUI's RMSNorm module."""
     for k in WIDTHS:
-        x, weight = _tokens(device, k, seed=k + 3), _weight(device, k, seed=k + 4)
-        stock = comfy_rms_norm(k, weight, EPS)(x)
+        x = _tokens(device, k, seed=k + 3)
+        weight, stock = _weight_rounding_up(_weight(device, k, seed=k + 4), lambda w: comfy_rms_norm(k, w, EPS)(x))
         diff = _check_normalized_pack(backend, device, f"normalized pack, width {k}", _rows2d(x), weight, None,
                                       _rows2d(stock))
         if diff:
