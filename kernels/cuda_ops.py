@@ -530,7 +530,7 @@ def _row_norm_launch(kernel: str, x, norm: RmsNorm, *, other=None, gate=None, mo
         grid = max(1, min(x.shape[0], mod.sm_count * mod.resident_ctas(kernel, threads, shared)))
     else:  # one warp per row
         threads = LAUNCH["ROW_NORM_THREADS"]
-        shared = ROW_NORM_SHARED_BYTES if kernel.endswith("_amax") else 0
+        shared = ROW_NORM_SHARED_BYTES if global_scale_out is not None else 0  # the amax pass stages the row
         grid = max(1, min(-(-x.shape[0] // (threads // 32)), mod.sm_count * 16))
     mod.launch(kernel, grid, threads, params, stream, shared_bytes=shared)
 
