@@ -169,6 +169,14 @@ def h3_model_module():
     return comfy.ldm.minimax.model
 
 
+def lumina_model_module():
+    """``comfy.ldm.lumina.model``: ComfyUI's Lumina 2 / Z-Image (NextDiT, JointTransformerBlock, modulate,
+    apply_gate)."""
+    import comfy.ldm.lumina.model
+
+    return comfy.ldm.lumina.model
+
+
 def model_detection():
     import comfy.model_detection
 

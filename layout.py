@@ -68,15 +68,16 @@ def packed_buffer_layout(rows: int, k: int) -> tuple[int, int, int, int, int]:
 
 @dataclass(frozen=True)
 class Modulation:
-    """adaLN modulation applied on the fly: ``h = bf16(bf16(x * bf16(1 + scale[m])) + shift[m])`` (ComfyUI's
-    ``h.mul_(1 + scale).add_(shift)``).
+    """adaLN modulation applied on the fly: ``h = bf16(bf16(x * bf16(1 + scale[m])) + shift[m])`` (MiniMax H3's
+    ``h.mul_(1 + scale).add_(shift)``), or with ``shift=None`` the scale-only form ``h = bf16(x * bf16(1 +
+    scale[m]))`` (Z-Image's ``modulate``; the kernels fold it together with its RMSNorm only).
 
     ``scale``/``shift``: bf16 ``[rows, K]`` tables (free row stride, unit column stride); ``mod_index``: int32
     ``[M]`` on the activation's device, the table row of every token.
     """
 
     scale: torch.Tensor
-    shift: torch.Tensor
+    shift: torch.Tensor | None
     mod_index: torch.Tensor
 
 
@@ -97,9 +98,13 @@ PACK_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def source_refusal(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulation | None = None,
-                   norm: RmsNorm | None = None, prescale: torch.Tensor | None = None) -> str | None:
+                   norm: RmsNorm | None = None, prescale: torch.Tensor | None = None,
+                   up: torch.Tensor | None = None) -> str | None:
     """Why no implementation of the fused pack (kernels/cuda_ops.py, kernels/twin_ops.py) takes this source: the
-    dtype, shape and combination rules both share (None: these hold; each adds its own, such as alignment)."""
+    dtype, shape and combination rules both share (None: these hold; each adds its own, such as alignment).
+
+    ``up``: the SwiGLU source's up values as a second ``[M, K]`` tensor (``h = silu(x) * up``); without it a SwiGLU
+    source reads ``[M, 2K]`` rows, gate half first."""
     if x.dtype not in PACK_DTYPE_NAMES:
         return f"the activation is {x.dtype}, the fused pack takes bfloat16 or float16"
     if x.dtype != torch.bfloat16 and (swiglu or modulation is not None or norm is not None):
@@ -111,11 +116,15 @@ def source_refusal(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulat
         return "a source is either SwiGLU or normalized / modulated"
     if prescale is not None and (swiglu or modulation is not None or norm is not None):
         return "a pre_quant_scale source reads plain rows (no SwiGLU, RMSNorm or modulation with it)"
-    if norm is not None and modulation is None:
-        return "a normalized source is also modulated (the adaLN modulation after the norm)"
-    k = x.shape[1] // 2 if swiglu else x.shape[1]
-    if k % 16 or (swiglu and x.shape[1] % 2):
+    if modulation is not None and modulation.shift is None and norm is None:
+        return "a scale-only modulation is folded together with its RMSNorm only"
+    if up is not None and not swiglu:
+        return "a second input (up) belongs to a SwiGLU source"
+    k = x.shape[1] // 2 if swiglu and up is None else x.shape[1]
+    if k % 16 or (swiglu and up is None and x.shape[1] % 2):
         return f"the feature width {k} is not a multiple of 16"
+    if up is not None and (up.dtype != x.dtype or up.shape != x.shape or up.device != x.device):
+        return f"the SwiGLU up tensor must be {PACK_DTYPE_NAMES[x.dtype]} {tuple(x.shape)} on {x.device} like the gates"
     if prescale is not None and (prescale.dtype != x.dtype or prescale.shape != (k,) or prescale.device != x.device):
         return (f"the pre_quant_scale table must be a {PACK_DTYPE_NAMES[x.dtype]} [{k}] tensor on {x.device} (the "
                 "activation's dtype)")

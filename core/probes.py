@@ -63,6 +63,15 @@ def static_scale(scale: float | None, device) -> torch.Tensor | None:
     return None if scale is None else torch.tensor([scale], dtype=torch.float32, device=device)
 
 
+def comfy_rms_norm(k: int, weight: torch.Tensor, eps: float):
+    """ComfyUI's RMSNorm module of an NVFP4 checkpoint (mixed-precision ops), holding ``weight``: what a model block
+    normalizes with."""
+    ops = comfy_adapter.mixed_precision_ops(torch.bfloat16, disabled=[])
+    norm = ops.RMSNorm(k, eps=eps, elementwise_affine=True, dtype=torch.bfloat16, device=weight.device)
+    norm.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    return norm
+
+
 # ---- probe tensors -----------------------------------------------------------------------------------------
 
 def probe_activations(device, k: int = 1056, seed: int = 7) -> dict[str, tuple[torch.Tensor, float | None]]:

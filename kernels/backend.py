@@ -19,12 +19,14 @@ from . import cuda_ops, runtime, twin_ops
 
 class FusedOps(Protocol):
     def pack_support(self, x: torch.Tensor, *, swiglu: bool = False, modulation: Modulation | None = None,
-                     norm: RmsNorm | None = None, prescale: torch.Tensor | None = None) -> str | None: ...
+                     norm: RmsNorm | None = None, prescale: torch.Tensor | None = None,
+                     up: torch.Tensor | None = None) -> str | None: ...
 
     def pack_nvfp4(self, x: torch.Tensor, *, static_scale: torch.Tensor | None = None,
                    global_scale: torch.Tensor | None = None, weight_scale_2: torch.Tensor | None = None,
                    swiglu: bool = False, modulation: Modulation | None = None, norm: RmsNorm | None = None,
-                   prescale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> PackedActivation: ...
+                   prescale: torch.Tensor | None = None, up: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> PackedActivation: ...
 
     def rms_norm_support(self, x: torch.Tensor, weight: torch.Tensor) -> str | None: ...
 
@@ -37,6 +39,15 @@ class FusedOps(Protocol):
     def gated_residual_(self, x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor, mod_index: torch.Tensor, *,
                         next_norm: RmsNorm | None = None, next_modulation: Modulation | None = None,
                         global_scale_out: torch.Tensor | None = None) -> torch.Tensor | None: ...
+
+    def post_norm_residual_support(self, x: torch.Tensor, other: torch.Tensor, other_weight: torch.Tensor,
+                                   gate: torch.Tensor | None = None, *, next_norm: RmsNorm | None = None,
+                                   next_modulation: Modulation | None = None) -> str | None: ...
+
+    def post_norm_residual_(self, x: torch.Tensor, other: torch.Tensor, other_weight: torch.Tensor, other_eps: float,
+                            gate: torch.Tensor | None, mod_index: torch.Tensor | None, *,
+                            next_norm: RmsNorm | None = None, next_modulation: Modulation | None = None,
+                            global_scale_out: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def rms_rope_support(self, q, k, freqs, q_weight, k_weight, rot_dim) -> str | None: ...
 

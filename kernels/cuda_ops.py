@@ -2,21 +2,24 @@
 
 Public functions (all bit-identical to ComfyUI's stock ops followed by comfy-kitchen's CUDA packer):
 
-* :func:`pack_nvfp4` - NVFP4-pack an activation read through a *source* (plain rows, RMSNorm and/or adaLN
-  modulation, SwiGLU of an fc1 output, or rows times a Linear's ``pre_quant_scale``), with a dynamic
-  (device-computed), precomputed or static global scale. Plain and ``pre_quant_scale`` sources take bf16 or fp16
-  activations (fp16 with ComfyUI's fp16 arithmetic: the ``_f16`` kernels); the block sources (RMSNorm, modulation,
-  SwiGLU) take bf16.
-* :func:`norm_statistics` - torch's RMSNorm rstd of every row, optionally with the amax of the modulated, normalized
-  rows (the next projection's global scale): the norm's output itself is never written.
+* :func:`pack_nvfp4` - NVFP4-pack an activation read through a *source* (plain rows, RMSNorm with or without an adaLN
+  modulation (scale and shift, or scale only), the modulation alone, SwiGLU of an fc1 output or of two tensors, or
+  rows times a Linear's ``pre_quant_scale``), with a dynamic (device-computed), precomputed or static global scale.
+  Plain and ``pre_quant_scale`` sources take bf16 or fp16 activations (fp16 with ComfyUI's fp16 arithmetic: the
+  ``_f16`` kernels); the block sources take bf16.
+* :func:`norm_statistics` - torch's RMSNorm rstd of every row, optionally with the amax of the (modulated)
+  normalized rows (the next projection's global scale): the norm's output itself is never written.
 * :func:`gated_residual_` - ``x[r] += other[r] * gate[mod_index[r]]`` in place, optionally followed in the same pass
   by :func:`norm_statistics` of the new x.
+* :func:`post_norm_residual_` - ``x[r] += gate[mod_index[r]] * rms_norm(other)[r]`` (or ``+= rms_norm(other)[r]``)
+  in place with ComfyUI's roundings (Z-Image's sandwich norm), the norm of ``other`` computed in the same pass,
+  optionally followed by :func:`norm_statistics` of the new x.
 * :func:`rms_rope_split_half_` - comfy-kitchen's per-head RMSNorm + split-half RoPE for H3's q/k views, in place.
 * ``*_support`` - ``None`` if a kernel can take these tensors, else the reason (callers fall back to ComfyUI's path
   with that reason instead of raising in the user's graph).
 
 Layouts: layout.py. Launch shapes: :data:`LAUNCH`, the one source of these values (passed to NVRTC as ``-D``).
-Kernels: kernels/csrc/packs.cu (packs and their global scales), residual_norm.cu (gated residual, norm statistics,
+Kernels: kernels/csrc/packs.cu (packs and their global scales), residual_norm.cu (residuals, norm statistics,
 modulation bounds), rms_rope.cu (RMSNorm + RoPE), built and cached by kernels/runtime.py.
 """
 
@@ -38,6 +41,10 @@ LAUNCH = {
     "RESIDUAL_THREADS": 256, "ROW_NORM_THREADS": 128, "ROW_NORM_MAX_STEPS": 11, "ROW_NORM_BATCH": 2,
     "RESIDUAL_NORM_THREADS": 64, "RESIDUAL_NORM_BATCH": 6, "RESIDUAL_AMAX_BATCH": 8,
     "RESIDUAL_NORM_MIN_CTAS": 8,  # 8 CTAs x 2 warps per SM: at most 128 registers (9 or 10 spill at these batches)
+    "POST_NORM_BATCH": 3,  # gate and norm-weight chunks per batch of the post-norm residuals (two tables a chunk)
+    # resident CTAs of 128 threads the Z-Image row-norm amax kernels' register budget keeps (at most 64 registers:
+    # without a budget ptxas spills a loop invariant of the unmodulated pass on sm_100 and later)
+    "ROW_NORM_MIN_CTAS": 8,
     "PACK_MIN_CTAS": 5, "PLAIN_MIN_CTAS": 4,  # resident CTAs of 256 threads the packs' register budget keeps on sm_90
     "SILU_WINDOW_MIN_CTAS": 5,  # the windowed-silu SwiGLU pack (silu_window_table)
     # fc1-output chunks in flight per thread of the SwiGLU global scale (3 CTAs of 512 per SM)
@@ -62,9 +69,9 @@ RESIDUAL_NORM_SHARED_BYTES = LAUNCH["RESIDUAL_NORM_THREADS"] // 32 * ROW_NORM_MA
 PACKS, RESIDUAL_NORM, RMS_ROPE = "packs.cu", "residual_norm.cu", "rms_rope.cu"
 _PACK_CONSTANTS = ("ABSMAX_THREADS", "PACK_MIN_CTAS", "PACK_THREADS", "PLAIN_ITEMS", "PLAIN_MIN_CTAS",
                    "SILU_TABLE_THREADS", "SILU_WINDOW_MIN_CTAS", "SWIGLU_ABSMAX_ITEMS")
-_RESIDUAL_NORM_CONSTANTS = ("RESIDUAL_AMAX_BATCH", "RESIDUAL_NORM_BATCH", "RESIDUAL_NORM_MIN_CTAS",
+_RESIDUAL_NORM_CONSTANTS = ("POST_NORM_BATCH", "RESIDUAL_AMAX_BATCH", "RESIDUAL_NORM_BATCH", "RESIDUAL_NORM_MIN_CTAS",
                             "RESIDUAL_NORM_THREADS", "RESIDUAL_THREADS", "ROW_NORM_BATCH", "ROW_NORM_MAX_STEPS",
-                            "ROW_NORM_THREADS")
+                            "ROW_NORM_MIN_CTAS", "ROW_NORM_THREADS")
 _SOURCE_CONSTANTS = {PACKS: _PACK_CONSTANTS, RESIDUAL_NORM: _RESIDUAL_NORM_CONSTANTS, RMS_ROPE: ()}
 EMULATE_BLACKWELL_ENV = "H3_FUSED_NVFP4_EMULATE_BLACKWELL"
 EXTRA_DEFINES: tuple = ()  # tests only: planted faults (e.g. (("NVFP4_PLANT_FAULT", 1),))
@@ -102,14 +109,19 @@ class _ColumnTable(ctypes.Union):
     _fields_ = [("norm_weight", ctypes.c_void_p), ("prescale", ctypes.c_void_p)]
 
 
+class _UpValues(ctypes.Union):
+    """packs.cu SourceParams' SwiGLU up values: an offset inside the row (UpInRow) or a second tensor (UpBeside)."""
+    _fields_ = [("up_offset", ctypes.c_int64), ("up", ctypes.c_void_p)]
+
+
 class _SourceParams(ctypes.Structure):
     _fields_ = [
         ("x", ctypes.c_void_p), ("x_row_stride", ctypes.c_int64), ("rows", ctypes.c_int64),
-        ("cols", ctypes.c_int64), ("up_offset", ctypes.c_int64), ("mod_scale", ctypes.c_void_p),
+        ("cols", ctypes.c_int64), ("up_values", _UpValues), ("mod_scale", ctypes.c_void_p),
         ("mod_shift", ctypes.c_void_p), ("mod_row_stride", ctypes.c_int64), ("mod_index", ctypes.c_void_p),
         ("silu_table", ctypes.c_void_p), ("rstd", ctypes.c_void_p), ("column_table", _ColumnTable),
     ]
-    _anonymous_ = ("column_table",)
+    _anonymous_ = ("up_values", "column_table")
 
 
 class _PackParams(ctypes.Structure):
@@ -144,6 +156,7 @@ class _RowNormParams(ctypes.Structure):
         ("norm_weight", ctypes.c_void_p), ("eps", ctypes.c_float), ("rstd", ctypes.c_void_p),
         ("mod_scale", ctypes.c_void_p), ("mod_shift", ctypes.c_void_p), ("mod_row_stride", ctypes.c_int64),
         ("out", _GlobalScaleOut), ("bound_scale", ctypes.c_void_p), ("bound_shift", ctypes.c_void_p),
+        ("other_weight", ctypes.c_void_p), ("other_eps", ctypes.c_float),
     ]
 
 
@@ -160,9 +173,11 @@ class _ModBoundsParams(ctypes.Structure):
 def _modulation_refusal(modulation: Modulation, x: torch.Tensor, k: int) -> str | None:
     for name in ("scale", "shift"):
         t = getattr(modulation, name)
+        if t is None:  # the scale-only form
+            continue
         if t.dtype != torch.bfloat16 or t.dim() != 2 or t.shape[1] != k or not _aligned(t) or t.device != x.device:
             return f"the modulation {name} table must be bf16 [rows, {k}], 16-byte aligned, on {x.device}"
-    if modulation.scale.stride() != modulation.shift.stride():
+    if modulation.shift is not None and modulation.scale.stride() != modulation.shift.stride():
         return "the modulation scale and shift tables must share one row stride"
     idx = modulation.mod_index
     if idx.dtype != torch.int32 or idx.shape != (x.shape[0],) or idx.device != x.device:
@@ -191,16 +206,19 @@ KERNEL_SUFFIX = {torch.bfloat16: "", torch.float16: "_f16"}
 
 
 def pack_support(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulation | None = None,
-                 norm: RmsNorm | None = None, prescale: torch.Tensor | None = None) -> str | None:
+                 norm: RmsNorm | None = None, prescale: torch.Tensor | None = None,
+                 up: torch.Tensor | None = None) -> str | None:
     """``None`` if the fused pack accepts these inputs, otherwise a human-readable reason."""
     if not x.is_cuda:
         return "the activation is not on a CUDA device"
-    reason = source_refusal(x, swiglu=swiglu, modulation=modulation, norm=norm, prescale=prescale)
+    reason = source_refusal(x, swiglu=swiglu, modulation=modulation, norm=norm, prescale=prescale, up=up)
     if reason is not None:
         return reason
-    k = x.shape[1] // 2 if swiglu else x.shape[1]
+    k = x.shape[1] // 2 if swiglu and up is None else x.shape[1]
     if not _aligned(x):
         return "the activation rows are not 16-byte aligned with unit column stride"
+    if up is not None and (not _aligned(up) or up.stride(0) != x.stride(0)):
+        return "the SwiGLU up rows must be 16-byte aligned with the gates' row stride"
     if prescale is not None and not _aligned(prescale):
         return "the pre_quant_scale table must be contiguous and 16-byte aligned"
     if modulation is not None:
@@ -257,9 +275,11 @@ def _global_scale_out(device, stream, out: torch.Tensor) -> _GlobalScaleOut:
 _bounds: dict[tuple[int, int], torch.Tensor] = {}
 
 
-def _launch_bounds_tables(mod, stream: int, x: torch.Tensor, norm: RmsNorm, modulation: Modulation) -> tuple[int, int]:
-    """Build the amax bounds of every modulation row for ``norm``'s weight; returns the two tables' addresses."""
-    rows, k = modulation.scale.shape[0], x.shape[1]
+def _launch_bounds_tables(mod, stream: int, x: torch.Tensor, norm: RmsNorm,
+                          modulation: Modulation | None) -> tuple[int, int]:
+    """Build the amax bounds of every modulation row (one row without a modulation) for ``norm``'s weight; returns
+    the two tables' addresses."""
+    rows, k = (modulation.scale.shape[0] if modulation is not None else 1), x.shape[1]
     entries = rows * k + rows * k // 8  # bf16 per column, then bf16 per 8 columns (16-byte aligned: k % 16 == 0)
     key = (x.device.index, stream)
     table = _bounds.get(key)
@@ -268,11 +288,28 @@ def _launch_bounds_tables(mod, stream: int, x: torch.Tensor, norm: RmsNorm, modu
             # at least 8 modulation rows at H3's width (8 x (5376 + 5376 / 8)): the usual calls never reallocate
             table = _bounds[key] = torch.empty(max(entries, 8 * 6048), dtype=torch.int16, device=x.device)
     scale_bounds, shift_bounds = table.data_ptr(), table.data_ptr() + 2 * rows * k
-    params = _ModBoundsParams(norm.weight.data_ptr(), modulation.scale.data_ptr(), modulation.shift.data_ptr(),
-                              modulation.scale.stride(0), rows, k, scale_bounds, shift_bounds)
+    params = _ModBoundsParams(norm.weight.data_ptr(), None, None, 0, rows, k, scale_bounds, shift_bounds)
+    if modulation is not None:
+        params.mod_scale, params.mod_row_stride = modulation.scale.data_ptr(), modulation.scale.stride(0)
+        params.mod_shift = modulation.shift.data_ptr() if modulation.shift is not None else None
     grid = max(1, min(-(-rows * (k // 8) // 256), mod.sm_count * 8))
-    mod.launch("fused_modulation_bounds", grid, 256, params, stream)
+    mod.launch(_BOUNDS_KERNELS[_form(modulation)], grid, 256, params, stream)
     return scale_bounds, shift_bounds
+
+
+# The modulation forms of a normalized source (nvfp4_common.cuh ScaleShift, ScaleOnly, Unmodulated) and the kernels
+# of each: the bounds of the amax pass, the statistics with the amax, the normalized pack.
+_BOUNDS_KERNELS = {"scale_shift": "fused_modulation_bounds", "scale": "fused_modulation_bounds_scale",
+                   "none": "fused_norm_bounds"}
+_AMAX_KERNELS = {"scale_shift": "fused_row_norm_amax", "scale": "fused_row_norm_amax_scale",
+                 "none": "fused_row_norm_amax_norm"}
+_NORM_PACK_VARIANTS = {"scale_shift": "norm_modulate", "scale": "norm_scale", "none": "norm"}
+
+
+def _form(modulation: Modulation | None) -> str:
+    if modulation is None:
+        return "none"
+    return "scale" if modulation.shift is None else "scale_shift"
 
 
 # ---- SwiGLU silu table: torch's own bf16 silu of every bf16 bit pattern --------------------------------------
@@ -329,13 +366,17 @@ def packed_buffer_bytes(rows: int, k: int) -> int:
 
 
 def _source(x: torch.Tensor, k: int, swiglu: bool, modulation: Modulation | None, norm: RmsNorm | None,
-            prescale: torch.Tensor | None = None):
-    src = _SourceParams(x.data_ptr(), x.stride(0), x.shape[0], k, k if swiglu else 0)
+            prescale: torch.Tensor | None = None, up: torch.Tensor | None = None):
+    src = _SourceParams(x.data_ptr(), x.stride(0), x.shape[0], k)
+    if up is not None:
+        src.up = up.data_ptr()
+    else:
+        src.up_offset = k if swiglu else 0
     if prescale is not None:
         src.prescale = prescale.data_ptr()
     if modulation is not None:
         src.mod_scale = modulation.scale.data_ptr()
-        src.mod_shift = modulation.shift.data_ptr()
+        src.mod_shift = modulation.shift.data_ptr() if modulation.shift is not None else None
         src.mod_row_stride = modulation.scale.stride(0)
         src.mod_index = modulation.mod_index.data_ptr()
     if norm is not None:
@@ -345,13 +386,13 @@ def _source(x: torch.Tensor, k: int, swiglu: bool, modulation: Modulation | None
 
 
 def _variant(swiglu: bool, modulation: Modulation | None, norm: RmsNorm | None,
-             prescale: torch.Tensor | None = None) -> str:
+             prescale: torch.Tensor | None = None, up: torch.Tensor | None = None) -> str:
     if swiglu:
-        return "swiglu"
+        return "swiglu_pair" if up is not None else "swiglu"
     if prescale is not None:
         return "prescale"
     if norm is not None:
-        return "norm_modulate"
+        return _NORM_PACK_VARIANTS[_form(modulation)]
     return "modulate" if modulation is not None else "plain"
 
 
@@ -365,38 +406,43 @@ def pack_nvfp4(
     modulation: Modulation | None = None,
     norm: RmsNorm | None = None,
     prescale: torch.Tensor | None = None,
+    up: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> PackedActivation:
     """NVFP4-pack ``h = source(x)`` exactly like comfy-kitchen's CUDA ``quantize_nvfp4`` after ComfyUI's ops.
 
     Args:
-        x: bf16 ``[M, K]`` (``[M, 2K]`` fc1 output for ``swiglu=True``: gate half first), any row stride that
-            keeps rows 16-byte aligned; read in place. fp16 for the plain and ``prescale`` sources (then every
-            rounding ComfyUI makes in the activation dtype is an fp16 rounding: the global scale, the multiply).
+        x: bf16 ``[M, K]`` (``[M, 2K]`` fc1 output for ``swiglu=True`` without ``up``: gate half first), any row
+            stride that keeps rows 16-byte aligned; read in place. fp16 for the plain and ``prescale`` sources (then
+            every rounding ComfyUI makes in the activation dtype is an fp16 rounding: the global scale, the
+            multiply).
         static_scale: fp32 one-element device tensor (the layer's ``input_scale``).
         global_scale: fp32 one-element device tensor already holding ComfyUI's dynamic scale of ``h`` (written by
             :func:`norm_statistics` / :func:`gated_residual_` earlier on the stream).
             Neither: the dynamic scale ``dtype(amax|h| / 2688)`` is computed here in one extra launch.
         weight_scale_2: fp32 one-element device tensor; the pack then writes the GEMM alpha (activation scale x
             weight scale) next to the global scale, so no follow-up launch computes it.
-        modulation / norm / swiglu: the source (module docstring).
+        modulation / norm / swiglu: the source (module docstring). A normalized source takes a modulation with scale
+            and shift, one with ``shift=None`` (scale only) or none.
+        up: with ``swiglu=True``, the up values as a second ``[M, K]`` tensor with x's row stride: ``h =
+            silu(x) * up`` (Z-Image's ``F.silu(w1(h)) * w3(h)``).
         prescale: ``[K]`` contiguous, in x's dtype: ``h = x * prescale`` (torch's bf16 or fp16 multiply), a Linear's
             ``pre_quant_scale`` cast to the activation dtype as ComfyUI's NVFP4 Linear casts it. Plain rows only.
         out: optional contiguous uint8 buffer of :func:`packed_buffer_bytes` bytes to write into.
 
     One launch with a static or precomputed scale, two otherwise; no host sync, one allocation.
     """
-    reason = pack_support(x, swiglu=swiglu, modulation=modulation, norm=norm, prescale=prescale)
+    reason = pack_support(x, swiglu=swiglu, modulation=modulation, norm=norm, prescale=prescale, up=up)
     if reason is not None:
         raise ValueError(reason)
     if static_scale is not None and global_scale is not None:
         raise ValueError("pass a static or a precomputed global scale, not both")
     if global_scale is None and static_scale is None and norm is not None:
         raise ValueError("a normalized source takes its global scale from norm_statistics")
-    variant = _variant(swiglu, modulation, norm, prescale)
+    variant = _variant(swiglu, modulation, norm, prescale, up)
     suffix = KERNEL_SUFFIX[x.dtype]  # the fp16 kernels: same launch shapes as their bf16 twins
     rows = x.shape[0]
-    k = x.shape[1] // 2 if swiglu else x.shape[1]
+    k = x.shape[1] // 2 if swiglu and up is None else x.shape[1]
     rows16, rows128, groups = roundup(rows, 16), roundup(roundup(rows, 16), 128), roundup(k // 16, 4) // 4
     q_bytes, s_off, s_bytes, g_off, total = packed_buffer_layout(rows, k)
     if out is None:
@@ -411,7 +457,7 @@ def pack_nvfp4(
 
     mod = module_for(x.device)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    src = _source(x, k, swiglu, modulation, norm, prescale)
+    src = _source(x, k, swiglu, modulation, norm, prescale, up)
     if static_scale is not None:
         global_scale = static_scale.reshape(1)
     elif global_scale is not None:
@@ -420,7 +466,8 @@ def pack_nvfp4(
         params = _AbsmaxParams(src, _global_scale_out(x.device, stream, scalars[0:1]))
         chunks = rows * (k // 8)
         threads = LAUNCH["ABSMAX_THREADS"]
-        items = {"plain": LAUNCH["PLAIN_ITEMS"], "swiglu": LAUNCH["SWIGLU_ABSMAX_ITEMS"]}.get(variant, 1)  # packs.cu
+        items = {"plain": LAUNCH["PLAIN_ITEMS"], "swiglu": LAUNCH["SWIGLU_ABSMAX_ITEMS"],
+                 "swiglu_pair": LAUNCH["SWIGLU_ABSMAX_ITEMS"]}.get(variant, 1)  # packs.cu
         per_sm = min(ABSMAX_CTAS_PER_SM, mod.resident_ctas(f"nvfp4_absmax_{variant}{suffix}", threads, 0))
         grid = max(1, min(-(-chunks // (threads * items)), mod.sm_count * per_sm))
         mod.launch(f"nvfp4_absmax_{variant}{suffix}", grid, threads, params, stream)
@@ -429,14 +476,14 @@ def pack_nvfp4(
     kernel, threads, shared = f"nvfp4_pack_{variant}{suffix}", LAUNCH["PACK_THREADS"], 0
     units = _pack_units(variant, rows128, groups)
     grid = max(1, min(-(-units // (threads // 32)), mod.sm_count * 64))  # a warp per unit
-    silu = _swiglu_silu(mod) if variant == "swiglu" else None
+    silu = _swiglu_silu(mod) if swiglu else None
     if silu == "window":  # persistent: each CTA copies the window once
         src.silu_table = silu_window_table(x.device).data_ptr()
-        kernel, shared = "nvfp4_pack_swiglu_window", SILU_WINDOW_SHARED_BYTES
+        kernel, shared = f"nvfp4_pack_{variant}_window", SILU_WINDOW_SHARED_BYTES
         grid = max(1, min(grid, mod.sm_count * mod.resident_ctas(kernel, threads, shared)))
     elif silu == "table":
         src.silu_table = silu_table(x.device).data_ptr()
-        kernel, threads, shared = "nvfp4_pack_swiglu_table", LAUNCH["SILU_TABLE_THREADS"], SILU_TABLE_SHARED_BYTES
+        kernel, threads, shared = f"nvfp4_pack_{variant}_table", LAUNCH["SILU_TABLE_THREADS"], SILU_TABLE_SHARED_BYTES
         grid = max(1, min(-(-units // (threads // 32)), mod.sm_count))  # one CTA per SM, persistent
     params = _PackParams(src, global_scale.data_ptr(), qdata.data_ptr(), scales.view(torch.uint8).data_ptr(),
                          rows16, rows128, groups, scalars[1:2].data_ptr() if want_alpha else None,
@@ -449,7 +496,7 @@ def _pack_units(variant: str, rows128: int, groups: int) -> int:
     """Warp units of work of a pack (packs.cu pack_body): one row of a SwiGLU source, two rows of the modulated
     and prescaled ones; for the plain one, single steps (PLAIN_ITEMS blocks a lane, 16 lanes a row) of two rows where
     the rows split into whole steps (PlainSource::kSegmentSteps), else whole pairs."""
-    if variant == "swiglu":
+    if variant.startswith("swiglu"):
         return rows128
     seg_lanes = 16 * LAUNCH["PLAIN_ITEMS"] if variant == "plain" else 0
     lanes_per_row = 4 * groups
@@ -458,20 +505,26 @@ def _pack_units(variant: str, rows128: int, groups: int) -> int:
 
 
 def _row_norm_launch(kernel: str, x, norm: RmsNorm, *, other=None, gate=None, mod_index=None,
-                     modulation: Modulation | None = None, global_scale_out=None) -> None:
+                     modulation: Modulation | None = None, global_scale_out=None,
+                     other_norm: tuple[torch.Tensor, float] | None = None) -> None:
+    """``other_norm``: (weight, eps) of the norm of ``other`` (the post-norm residuals)."""
     mod = module_for(x.device, RESIDUAL_NORM)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     params = _RowNormParams(x.data_ptr(), x.stride(0), None, 0, None, 0, None, x.shape[0], x.shape[1],
                             norm.weight.data_ptr(), float(norm.eps), norm.rstd.data_ptr())
     if other is not None:
         params.other, params.other_row_stride = other.data_ptr(), other.stride(0)
+    if gate is not None:
         params.gate, params.gate_row_stride = gate.data_ptr(), gate.stride(0)
+    if other_norm is not None:
+        params.other_weight, params.other_eps = other_norm[0].data_ptr(), float(other_norm[1])
     index = mod_index if mod_index is not None else (modulation.mod_index if modulation is not None else None)
     if index is not None:
         params.mod_index = index.data_ptr()
     if global_scale_out is not None:
-        params.mod_scale, params.mod_shift = modulation.scale.data_ptr(), modulation.shift.data_ptr()
-        params.mod_row_stride = modulation.scale.stride(0)
+        if modulation is not None:
+            params.mod_scale, params.mod_row_stride = modulation.scale.data_ptr(), modulation.scale.stride(0)
+            params.mod_shift = modulation.shift.data_ptr() if modulation.shift is not None else None
         params.out = _global_scale_out(x.device, stream, global_scale_out)
         params.bound_scale, params.bound_shift = _launch_bounds_tables(mod, stream, x, norm, modulation)
     if other is not None:  # persistent CTAs of two warps, one row at a time, copying the next while finishing it
@@ -479,7 +532,7 @@ def _row_norm_launch(kernel: str, x, norm: RmsNorm, *, other=None, gate=None, mo
         grid = max(1, min(x.shape[0], mod.sm_count * mod.resident_ctas(kernel, threads, shared)))
     else:  # one warp per row
         threads = LAUNCH["ROW_NORM_THREADS"]
-        shared = ROW_NORM_SHARED_BYTES if kernel.endswith("_amax") else 0
+        shared = ROW_NORM_SHARED_BYTES if global_scale_out is not None else 0  # the amax pass stages the row
         grid = max(1, min(-(-x.shape[0] // (threads // 32)), mod.sm_count * 16))
     mod.launch(kernel, grid, threads, params, stream, shared_bytes=shared)
 
@@ -490,9 +543,7 @@ def _check_norm_outputs(x, norm: RmsNorm, modulation, global_scale_out):
                            or not norm.rstd.is_contiguous() or norm.rstd.device != x.device):
         reason = "rstd must be a contiguous fp32 [M] tensor on the activation's device"
     if reason is None and global_scale_out is not None:
-        if modulation is None:
-            reason = "the amax of the next projection's input needs its modulation"
-        else:
+        if modulation is not None:
             reason = _modulation_refusal(modulation, x, x.shape[1])
         if reason is None and (global_scale_out.dtype != torch.float32 or global_scale_out.numel() != 1
                                or global_scale_out.device != x.device):
@@ -504,10 +555,10 @@ def _check_norm_outputs(x, norm: RmsNorm, modulation, global_scale_out):
 def norm_statistics(x: torch.Tensor, norm: RmsNorm, *, modulation: Modulation | None = None,
                     global_scale_out: torch.Tensor | None = None) -> None:
     """Write torch's CUDA RMSNorm ``rstd`` of every row of ``x`` into ``norm.rstd``; with ``global_scale_out``, also
-    ComfyUI's dynamic global scale of ``modulate(rms_norm(x))``. One read of ``x``; with the global scale a small
-    launch first builds the amax pass's bounds table."""
+    ComfyUI's dynamic global scale of ``modulate(rms_norm(x))`` (of ``rms_norm(x)`` without a modulation). One read
+    of ``x``; with the global scale a small launch first builds the amax pass's bounds table."""
     _check_norm_outputs(x, norm, modulation, global_scale_out)
-    kernel = "fused_row_norm_amax" if global_scale_out is not None else "fused_row_norm_stats"
+    kernel = _AMAX_KERNELS[_form(modulation)] if global_scale_out is not None else "fused_row_norm_stats"
     _row_norm_launch(kernel, x, norm, modulation=modulation, global_scale_out=global_scale_out)
 
 
@@ -537,6 +588,74 @@ def gated_residual_(x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor, mo
     threads = LAUNCH["RESIDUAL_THREADS"]
     grid = max(1, min(-(-chunks // threads), mod.sm_count * 32))
     mod.launch("fused_gated_residual", grid, threads, params, stream)
+    return x
+
+
+def post_norm_residual_support(x: torch.Tensor, other: torch.Tensor, other_weight: torch.Tensor,
+                               gate: torch.Tensor | None = None, *, next_norm: RmsNorm | None = None,
+                               next_modulation: Modulation | None = None) -> str | None:
+    """``None`` if :func:`post_norm_residual_` takes these tensors, else the reason."""
+    for name, t in (("x", x), ("other", other), ("gate", gate)):
+        if t is not None and (not t.is_cuda or t.dtype != torch.bfloat16 or t.dim() != 2 or not _aligned(t)
+                              or t.device != x.device):
+            return f"{name} must be a 16-byte aligned bf16 2-D tensor on the GPU"
+    if other.shape != x.shape or (gate is not None and gate.shape[1] != x.shape[1]):
+        return f"shape mismatch: x {tuple(x.shape)}, other {tuple(other.shape)}"
+    reason = rms_norm_support(other, other_weight)
+    if reason is not None:
+        return f"the norm of the residual's input: {reason}"
+    if next_modulation is not None and (gate is None or next_modulation.shift is not None):
+        return ("the post-norm residuals hand on to a scale-only modulation (gated, Z-Image's modulated blocks) or "
+                "to none (ungated, its refiner blocks)")
+    return rms_norm_support(x, next_norm.weight) if next_norm is not None else None
+
+
+# Statistics of a post-norm residual whose new x has no next norm: its kernel writes them here (4 bytes a row).
+_scratch_rstd: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _scratch_norm(x: torch.Tensor, stream: int) -> RmsNorm:
+    key = (x.device.index, stream)
+    buf = _scratch_rstd.get(key)
+    if buf is None or buf.numel() < x.shape[0]:
+        with _workspace_lock:
+            buf = _scratch_rstd[key] = torch.empty(max(x.shape[0], 8192), dtype=torch.float32, device=x.device)
+    return RmsNorm(buf, 1.0, buf[: x.shape[0]])  # the weight is not read by the statistics
+
+
+def post_norm_residual_(x: torch.Tensor, other: torch.Tensor, other_weight: torch.Tensor, other_eps: float,
+                        gate: torch.Tensor | None, mod_index: torch.Tensor | None, *,
+                        next_norm: RmsNorm | None = None, next_modulation: Modulation | None = None,
+                        global_scale_out: torch.Tensor | None = None) -> torch.Tensor:
+    """In place, with ComfyUI's roundings (Z-Image's ``x + apply_gate(tanh(gate), norm2(other))``):
+    ``x[r] = bf16(x[r] + bf16(gate[mod_index[r]] * n[r]))``, ``n = bf16(w * (rstd * other))`` torch's CUDA
+    ``rms_norm(other, w, other_eps)``; without a gate ``x[r] = bf16(x[r] + n[r])`` (its refiner blocks). ``gate``:
+    bf16 rows (the tanh of the adaLN gate, computed by torch). With ``next_norm`` the same pass also does
+    :func:`norm_statistics` of the new x (a gated residual hands on to a scale-only ``next_modulation``, an ungated
+    one to none). One read of x and other, one write of x."""
+    reason = post_norm_residual_support(x, other, other_weight, gate, next_norm=next_norm,
+                                        next_modulation=next_modulation)
+    if reason is not None:
+        raise ValueError(reason)
+    if gate is not None and (mod_index is None or mod_index.dtype != torch.int32 or mod_index.shape != (x.shape[0],)):
+        raise ValueError("mod_index must be int32 [M]")
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    if next_norm is not None:
+        _check_norm_outputs(x, next_norm, next_modulation, global_scale_out)
+    elif global_scale_out is not None:
+        raise ValueError("the amax of the next projection's input needs its norm")
+    if gate is not None and global_scale_out is not None and next_modulation is None:
+        raise ValueError("a gated post-norm residual's amax takes the scale-only modulation of the next projection")
+    if next_modulation is not None and next_modulation.mod_index.data_ptr() != mod_index.data_ptr():
+        raise ValueError("the gate and the next modulation read one modulation index (the kernel reads mod_index)")
+    stage = "gated_" if gate is not None else ""
+    if global_scale_out is None:
+        kernel = f"fused_post_norm_residual_{stage}stats"
+    else:
+        kernel = f"fused_post_norm_residual_{stage}" + ("amax_scale" if gate is not None else "amax_norm")
+    _row_norm_launch(kernel, x, next_norm if next_norm is not None else _scratch_norm(x, stream), other=other,
+                     gate=gate, mod_index=mod_index, modulation=next_modulation, global_scale_out=global_scale_out,
+                     other_norm=(other_weight, other_eps))
     return x
 
 

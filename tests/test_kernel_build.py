@@ -36,9 +36,17 @@ KERNELS_BY_SOURCE = {
     PACK_SOURCE: ("nvfp4_absmax_plain", "nvfp4_absmax_modulate", "nvfp4_absmax_swiglu", "nvfp4_pack_plain",
                   "nvfp4_pack_modulate", "nvfp4_pack_norm_modulate", "nvfp4_pack_swiglu_table",
                   "nvfp4_pack_swiglu_window", "nvfp4_absmax_prescale", "nvfp4_pack_prescale", "nvfp4_absmax_plain_f16",
-                  "nvfp4_pack_plain_f16", "nvfp4_absmax_prescale_f16", "nvfp4_pack_prescale_f16"),
+                  "nvfp4_pack_plain_f16", "nvfp4_absmax_prescale_f16", "nvfp4_pack_prescale_f16",
+                  # Z-Image's block
+                  "nvfp4_pack_norm_scale", "nvfp4_pack_norm", "nvfp4_absmax_swiglu_pair",
+                  "nvfp4_pack_swiglu_pair_table", "nvfp4_pack_swiglu_pair_window"),
     "residual_norm.cu": ("fused_gated_residual", "fused_row_norm_stats", "fused_row_norm_amax",
-                         "fused_row_norm_residual_stats", "fused_row_norm_residual_amax", "fused_modulation_bounds"),
+                         "fused_row_norm_residual_stats", "fused_row_norm_residual_amax", "fused_modulation_bounds",
+                         # Z-Image's block
+                         "fused_row_norm_amax_scale", "fused_row_norm_amax_norm", "fused_modulation_bounds_scale",
+                         "fused_norm_bounds",
+                         "fused_post_norm_residual_gated_stats", "fused_post_norm_residual_gated_amax_scale",
+                         "fused_post_norm_residual_stats", "fused_post_norm_residual_amax_norm"),
     "rms_rope.cu": ("fused_rms_rope_split_half",),
 }
 KERNELS = KERNELS_BY_SOURCE[PACK_SOURCE]

@@ -64,9 +64,11 @@ STATIC_INPUT_SCALE = {"attn.qkv_proj": 4.0 / 2688, "attn.out_proj": 2.0 / 2688, 
 
 
 def module_state_dict(module: torch.nn.Module, *, seed: int, device, quantized: tuple[str, ...] = LINEAR_PATHS,
-                      static_layers: tuple[str, ...] = (), prefix: str = "") -> dict:
+                      static_layers: tuple[str, ...] = (), prefix: str = "",
+                      input_scales: dict[str, float] = STATIC_INPUT_SCALE) -> dict:
     """Random checkpoint tensors for every Linear / norm / buffer of ``module`` (built with ``h3_ops()``): NVFP4
-    for the Linears whose path ends with one of ``quantized``, bf16 otherwise."""
+    for the Linears whose path ends with one of ``quantized``, bf16 otherwise; those in ``static_layers`` with the
+    static ``input_scale`` ``input_scales`` gives them."""
     gen = torch.Generator(device=device).manual_seed(int(seed))
     sd = {}
     for name, sub in module.named_modules():
@@ -76,7 +78,7 @@ def module_state_dict(module: torch.nn.Module, *, seed: int, device, quantized: 
             weight = _random((sub.out_features, sub.in_features), gen, device, std, torch.bfloat16)
             kind = next((q for q in quantized if name == q or name.endswith("." + q)), None)
             if kind is not None:
-                scale = STATIC_INPUT_SCALE[kind] if kind in static_layers else None
+                scale = input_scales[kind] if kind in static_layers else None
                 sd.update(nvfp4_checkpoint_entries(key, weight, scale))
             else:
                 sd[f"{key}.weight"] = weight

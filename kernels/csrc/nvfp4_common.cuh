@@ -161,7 +161,15 @@ NVFP4_DEVICE u32 bf16x2_min(u32 a, u32 b) {
 #define BF16X2_ONE 0x3F803F80u
 #define BF16X2_NEG_ZERO 0x80008000u
 NVFP4_DEVICE u32 bf16x2_add(u32 a, u32 b) { return bf16x2_fma(a, BF16X2_ONE, b); }
+#if defined(NVFP4_PLANT_FAULT) && NVFP4_PLANT_FAULT
+// The planted fault rounds the product toward zero too (fma.bf16x2 has no such rounding: the fp32 product of two
+// bf16 values is exact, then pack_bf16x2 rounds it toward zero).
+NVFP4_DEVICE u32 bf16x2_mul(u32 a, u32 b) {
+    return pack_bf16x2(__fmul_rn(bf16_lo(a), bf16_lo(b)), __fmul_rn(bf16_hi(a), bf16_hi(b)));
+}
+#else
 NVFP4_DEVICE u32 bf16x2_mul(u32 a, u32 b) { return bf16x2_fma(a, b, BF16X2_NEG_ZERO); }  // -0 keeps the sign of a zero product
+#endif
 
 // ---- f16x2 arithmetic ------------------------------------------------------------------------------------
 // The same operations on fp16 pairs: comfy-kitchen's __habs / __hmax on __half are abs.f16 / max.f16 (sm_80 on: a
@@ -491,6 +499,28 @@ NVFP4_DEVICE u32 rms_norm_x2(u32 x, u32 w, float rstd) {
                        __fmul_rn(bf16_hi(w), __fmul_rn(rstd, bf16_hi(x))));
 }
 
+// The modulation forms of a normalized row before its projection (template parameters of the normalized packs,
+// packs.cu, and of the amax passes, residual_norm.cu), each ComfyUI's op sequence on bf16 tensors with one bf16
+// rounding per op (bf16x2 arithmetic, above), n the RMSNorm output, m the token's modulation row:
+//   ScaleShift   h = bf16(bf16(n * bf16(1 + scale[m])) + shift[m])    MiniMax H3 (_mod_scale_shift, modulate_x2)
+//   ScaleOnly    h = bf16(n * bf16(1 + scale[m]))                      Z-Image's modulate (comfy/ldm/lumina)
+//   Unmodulated  h = n                                                  a norm alone (Z-Image's refiner blocks)
+// kScale / kShift: which tables the form reads (a form without them reads no modulation index either).
+struct ScaleShift {
+    static constexpr bool kScale = true, kShift = true;
+    static __device__ __forceinline__ u32 apply(u32 n, u32 scale, u32 shift) { return modulate_x2(n, scale, shift); }
+};
+struct ScaleOnly {
+    static constexpr bool kScale = true, kShift = false;
+    static __device__ __forceinline__ u32 apply(u32 n, u32 scale, u32) {
+        return bf16x2_mul(n, bf16x2_add(BF16X2_ONE, scale));
+    }
+};
+struct Unmodulated {
+    static constexpr bool kScale = false, kShift = false;
+    static __device__ __forceinline__ u32 apply(u32 n, u32, u32) { return n; }
+};
+
 // Where a grid-wide amax lands: {amax bits, finished-CTA counter} (zero between launches, re-armed by the last
 // CTA) and the global scale g it becomes.
 struct GlobalScaleOut {
@@ -502,7 +532,9 @@ struct GlobalScaleOut {
 // finish turns the grid's max into ComfyUI's dynamic global scale g = fp32(E(amax * fp32(1/2688))) and re-arms the
 // workspace, so no host sync is needed: the pack reads g from memory. Every thread of the CTA must call it.
 // For fp16 the rounding lands in the fp16 subnormals when amax < ~0.16 and on 0 when amax < ~8e-5 (as torch's does).
-template <int Threads, class E = Bf16>
+// Owner: kernels of one family pass their own type, so that each family has its own instance of the shared-memory
+// scratch below (kernels of a module that share it are register-allocated differently by ptxas).
+template <int Threads, class E = Bf16, class Owner = void>
 __device__ __forceinline__ void absmax_finish(const GlobalScaleOut& out, u32 acc) {
     u32 m = max(acc & 0xFFFFu, acc >> 16);
 #pragma unroll

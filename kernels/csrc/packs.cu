@@ -1,22 +1,27 @@
-// Fused NVFP4 activation packing: the packs and their global-scale reductions.
+// Fused NVFP4 activation packing for the model blocks: the packs and their global-scale reductions.
 //
 // Math. Every pack and reduction reads its activation through a *source* that applies the elementwise ops ComfyUI
 // runs right before the quantized Linear, so their outputs never go to memory:
 //   PlainSource          h = x                                               (out_proj input, generic layers)
 //   ModulateSource       h = bf16(bf16(x * bf16(1 + scale[m])) + shift[m])   (adaLN modulation of a norm output)
-//   NormModulateSource   the same on n = bf16(w * (rstd[row] * x))           (RMSNorm folded in: qkv_proj, fc1)
+//   NormalizedSource<F>  n = bf16(w * (rstd[row] * x)), then modulation form F (nvfp4_common.cuh):
+//     <ScaleShift>       h = bf16(bf16(n * bf16(1 + scale[m])) + shift[m])   (NormModulateSource: H3's qkv_proj, fc1)
+//     <ScaleOnly>        h = bf16(n * bf16(1 + scale[m]))                    (Z-Image's qkv and w1 / w3 inputs)
+//     <Unmodulated>      h = n                                               (Z-Image's refiner blocks)
 //   SwigluSource         h = bf16(bf16(silu(gate)) * up)                     (fc1 output -> fc2 input)
+//     gate and up in one row (UpInRow: H3's fc1 output, gate half first) or in two tensors (UpBeside: Z-Image's
+//     w1 and w3 outputs -> w2's input, ComfyUI's F.silu(x1) * x3)
 //   PrescaleSource       h = bf16(x * p[c])                                  (AWQ pre_quant_scale of a Linear)
 // with m = mod_index[row] the adaLN modulation row of the token. Each bf16() is one round-to-nearest-even,
 // exactly where PyTorch rounds in ComfyUI's stock ops (rms_norm, mul_, add_, silu, mul_), and the fp32 arithmetic
 // between them is IEEE (this file is compiled without fast math; _rn intrinsics prevent contraction). The rstd of
-// the normalized source and its global scale come from residual_norm.cu (fused_row_norm_*).
+// the normalized sources and their global scale come from residual_norm.cu (the row-norm and residual kernels).
 //
 // Element types. The plain and prescale sources also read fp16 activations (models that compute in fp16, Wan by
 // default): PlainOf<F16> and PrescaleOf<F16>, h = fp16(x * p[c]) with p the table cast to fp16, and the global scale
 // rounded to fp16 (the _f16 entry points). Each source names its element type (Elem), which selects the
-// instructions of the block quantizer and of the global scale (nvfp4_common.cuh Bf16 / F16); the block sources
-// (modulate, norm-modulate, SwiGLU) read bf16 only.
+// instructions of the block quantizer and of the global scale (nvfp4_common.cuh Bf16 / F16); the H3 sources
+// (modulate, normalized, SwiGLU) read bf16 only.
 //
 //   nvfp4_absmax_*      one pass over h: amax|h| (NaN wins, as torch.amax); the LAST CTA to finish turns it into
 //                       the global scale g = fp32(bf16(amax * fp32(1/2688))), writes it to device memory and
@@ -45,7 +50,8 @@
 // alternatives (benchmarks/README.md): splitting a block over two lanes for 512-byte coalesced loads, and persistent
 // warps walking the flat block list across row ends.
 //
-// Requirements checked on the host (kernels/cuda_ops.py): K % 16 == 0, 16-byte aligned rows and tables.
+// Requirements checked on the host (kernels/cuda_ops.py): K % 16 == 0, 16-byte aligned rows and tables, the two
+// tensors of an UpBeside SwiGLU source with one row stride.
 #include "nvfp4_common.cuh"
 
 // Launch shape: kernels/cuda_ops.py (LAUNCH) is the one source of these values and passes them as -D options.
@@ -60,7 +66,10 @@ struct SourceParams {
     i64 x_row_stride;      // in elements
     i64 rows;              // M
     i64 cols;              // K, the packed width
-    i64 up_offset;         // SwiGLU: elements from gate[c] to up[c] within a row
+    union {                // SwiGLU: where the up values are (the two sources that locate them never meet)
+        i64 up_offset;     // UpInRow: elements from gate[c] to up[c] within a row
+        const u16* up;     // UpBeside: a second bf16 tensor [M, K] with x's row stride
+    };
     const u16* mod_scale;  // bf16 adaLN scale rows (before the 1 +), row stride mod_row_stride
     const u16* mod_shift;  // bf16 adaLN shift rows
     i64 mod_row_stride;    // in elements
@@ -133,27 +142,35 @@ struct ModulateSource {
     }
 };
 
-// RMSNorm folded in front of the modulation: n = bf16(w * (rstd * x)) with rstd from fused_row_norm_* (torch's
-// rms_norm output, element for element), then ModulateSource's three roundings.
-struct NormModulateSource {
+// RMSNorm folded in front of the modulation: n = bf16(w * (rstd * x)) with rstd from the row-norm or residual
+// kernels of residual_norm.cu (torch's rms_norm output, element for element), then the modulation form's roundings
+// (Form: ScaleShift, ScaleOnly or Unmodulated, nvfp4_common.cuh). A form reads only its own tables (and without
+// them no modulation index).
+template <class Form>
+struct NormalizedSource {
     using Elem = Bf16;
     static constexpr bool kScaleEvictLast = false;
     static constexpr bool kPairedRows = true;
     static constexpr u32 kSegmentSteps = 0;
     struct Row { ModulateSource::Row mod; float rstd; };
-    static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return Row{ModulateSource::row(p, r), p.rstd[r]}; }
+    static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) {
+        if (Form::kScale) return Row{ModulateSource::row(p, r), p.rstd[r]};
+        return Row{ModulateSource::Row{p.x + r * p.x_row_stride, nullptr, nullptr}, p.rstd[r]};
+    }
     static __device__ __forceinline__ void load(const SourceParams& p, const Row& row, i64 col, u32 w[4]) {
         u32x4 x = load_16B_stream(row.mod.x + col);
         u32x4 nw = load_16B(p.norm_weight + col);
         const float r = row.rstd;
-        u32x4 s = load_16B(row.mod.scale + col);
-        u32x4 t = load_16B(row.mod.shift + col);
+        u32x4 s = {0, 0, 0, 0}, t = {0, 0, 0, 0};
+        if (Form::kScale) s = load_16B(row.mod.scale + col);
+        if (Form::kShift) t = load_16B(row.mod.shift + col);
         const u32 xs[4] = {x.x, x.y, x.z, x.w}, ws[4] = {nw.x, nw.y, nw.z, nw.w};
         const u32 ss[4] = {s.x, s.y, s.z, s.w}, ts[4] = {t.x, t.y, t.z, t.w};
 #pragma unroll
-        for (int i = 0; i < 4; ++i) w[i] = modulate_x2(rms_norm_x2(xs[i], ws[i], r), ss[i], ts[i]);
+        for (int i = 0; i < 4; ++i) w[i] = Form::apply(rms_norm_x2(xs[i], ws[i], r), ss[i], ts[i]);
     }
 };
+using NormModulateSource = NormalizedSource<ScaleShift>;
 
 // ComfyUI's NVFP4 Linear with a pre_quant_scale (AWQ smoothing): input * pre_quant_scale cast to the input dtype,
 // one multiply in that dtype (torch's fp32 opmath product of two bf16 or two fp16 values, exact, then one rounding:
@@ -187,11 +204,22 @@ struct SiluLookedUp {
     }
 };
 
-// What the SwiGLU sources share: rows addressed as plain rows (gate half first), scales stored with evict_last (see
+// Where a SwiGLU row's up values are, from the address of its gates: in the same row (UpInRow: fc1's [M, 2K]
+// output, gate half first, H3), or at the same place of a second tensor with the same row stride (UpBeside:
+// w3's output beside w1's, Z-Image's FeedForward).
+struct UpInRow {
+    static __device__ __forceinline__ const u16* at(const SourceParams& p, const u16* gate) { return gate + p.up_offset; }
+};
+struct UpBeside {
+    static __device__ __forceinline__ const u16* at(const SourceParams& p, const u16* gate) { return p.up + (gate - p.x); }
+};
+
+// What the SwiGLU sources share: rows addressed as plain rows (the gates), scales stored with evict_last (see
 // store_scale_byte). They read fc1's output (2.2 GB at H3's shapes) through L1, as PlainSource does, which was
 // faster for the table pack than L1::no_allocate; the modulate packs gain nothing from it and keep the streaming
 // loads.
-struct SwigluRows {
+template <class Up>
+struct SwigluRowsOf {
     using Elem = Bf16;
     static constexpr bool kScaleEvictLast = true;
     static constexpr bool kPairedRows = false;
@@ -204,35 +232,47 @@ struct SwigluRows {
 // per SM fit, and so does sm_120's shared memory. Its four loads first, then the window test for all 16 gates.
 extern __shared__ __align__(16) u16 silu_window_shared[];
 
-struct SwigluWindowSource : SwigluRows {
+template <class Up>
+struct SwigluWindowOf : SwigluRowsOf<Up> {
+    using Row = typename SwigluRowsOf<Up>::Row;
     static __device__ __forceinline__ void load16(const SourceParams& p, const Row& r, i64 col, u32 w[8]) {
         const u16* base = r.x + col;
         const u32x4 g0 = load_16B(base), g1 = load_16B(base + 8);
-        const u32x4 u0 = load_16B(base + p.up_offset), u1 = load_16B(base + p.up_offset + 8);
+        const u32x4 u0 = load_16B(Up::at(p, base)), u1 = load_16B(Up::at(p, base) + 8);
         const u32 g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
         const u32 u[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
         swiglu_window_x8(g, u, silu_window_shared, w);
     }
 };
+using SwigluWindowSource = SwigluWindowOf<UpInRow>;
 
-// A 16-value block of any source: two 8-value loads, unless the source loads whole blocks.
+// A 16-value block of any source: two 8-value loads, unless the source loads whole blocks (the window sources).
+template <class Source>
+struct BlockLoader {
+    static __device__ __forceinline__ void load(const SourceParams& p, const typename Source::Row& r, i64 col, u32 w[8]) {
+        Source::load(p, r, col, w);
+        Source::load(p, r, col + 8, w + 4);
+    }
+};
+template <class Up>
+struct BlockLoader<SwigluWindowOf<Up>> {
+    static __device__ __forceinline__ void load(const SourceParams& p, const typename SwigluWindowOf<Up>::Row& r,
+                                                i64 col, u32 w[8]) {
+        SwigluWindowOf<Up>::load16(p, r, col, w);
+    }
+};
 template <class Source>
 __device__ __forceinline__ void load_block16(const SourceParams& p, const typename Source::Row& r, i64 col, u32 w[8]) {
-    Source::load(p, r, col, w);
-    Source::load(p, r, col + 8, w + 4);
-}
-template <>
-__device__ __forceinline__ void load_block16<SwigluWindowSource>(const SourceParams& p, const SwigluWindowSource::Row& r,
-                                                                 i64 col, u32 w[8]) {
-    SwigluWindowSource::load16(p, r, col, w);
+    BlockLoader<Source>::load(p, r, col, w);
 }
 
-template <class Silu>
-struct SwigluSource : SwigluRows {
+template <class Silu, class Up = UpInRow>
+struct SwigluSource : SwigluRowsOf<Up> {
+    using Row = typename SwigluRowsOf<Up>::Row;
     static __device__ __forceinline__ void load(const SourceParams& p, const Row& r, i64 col, u32 w[4]) {
         const u16* base = r.x + col;
         u32x4 g = load_16B(base);
-        u32x4 u = load_16B(base + p.up_offset);
+        u32x4 u = load_16B(Up::at(p, base));
         const u32 gs[4] = {g.x, g.y, g.z, g.w}, us[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) w[i] = Silu::times(gs[i], us[i]);
@@ -280,7 +320,8 @@ __device__ __forceinline__ void absmax_body(const AbsmaxParams& p) {
 // thread's running max cannot change it; only the others (every NaN or inf among them) are evaluated exactly. The
 // result is the exact amax, at the cost of reading the input (fewer instructions, and faster, than an fp32 bound
 // with a margin). SWIGLU_ABSMAX_ITEMS chunks of gate and up per thread are in flight (3: 40 registers, 3 CTAs of
-// 512 per SM; 1, 2 and 4 were no faster).
+// 512 per SM; 1, 2 and 4 were no faster). Up: where the up values are (UpInRow, UpBeside).
+template <class Up>
 __device__ __forceinline__ void absmax_swiglu_body(const AbsmaxParams& p) {
     const SourceParams& s = p.src;
     const u32 chunks_per_row = (u32)(s.cols / 8);
@@ -295,7 +336,7 @@ __device__ __forceinline__ void absmax_swiglu_body(const AbsmaxParams& p) {
             if (c < total) {
                 u32 row = c / chunks_per_row;
                 const u16* g = s.x + (i64)row * s.x_row_stride + (i64)(c - row * chunks_per_row) * 8;
-                u32x4 gv = load_16B_stream(g), uv = load_16B_stream(g + s.up_offset);
+                u32x4 gv = load_16B_stream(g), uv = load_16B_stream(Up::at(s, g));
                 gw[i][0] = gv.x; gw[i][1] = gv.y; gw[i][2] = gv.z; gw[i][3] = gv.w;
                 uw[i][0] = uv.x; uw[i][1] = uv.y; uw[i][2] = uv.z; uw[i][3] = uv.w;
             } else {
@@ -433,7 +474,7 @@ __device__ __forceinline__ void pack_body(const PackParams& p) {
 
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_plain(const AbsmaxParams p) { absmax_body<PlainSource, PLAIN_ITEMS>(p); }
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_modulate(const AbsmaxParams p) { absmax_body<ModulateSource, 1>(p); }
-extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_swiglu(const AbsmaxParams p) { absmax_swiglu_body(p); }
+extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_swiglu(const AbsmaxParams p) { absmax_swiglu_body<UpInRow>(p); }
 extern "C" __global__ void __launch_bounds__(PACK_THREADS, PLAIN_MIN_CTAS) nvfp4_pack_plain(const PackParams p) { pack_body<PlainSource, PLAIN_ITEMS>(p); }
 extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_pack_modulate(const PackParams p) { pack_body<ModulateSource, 1>(p); }
 extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_pack_norm_modulate(const PackParams p) { pack_body<NormModulateSource, 1>(p); }
@@ -444,6 +485,11 @@ extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_plain_
 extern "C" __global__ void __launch_bounds__(PACK_THREADS, PLAIN_MIN_CTAS) nvfp4_pack_plain_f16(const PackParams p) { pack_body<PlainOf<F16>, PLAIN_ITEMS>(p); }
 extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_prescale_f16(const AbsmaxParams p) { absmax_body<PrescaleOf<F16>, 1>(p); }
 extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_pack_prescale_f16(const PackParams p) { pack_body<PrescaleOf<F16>, 1>(p); }
+// Z-Image's block: the normalized sources with the scale-only modulation and without one (launch shapes as
+// nvfp4_pack_norm_modulate), and the SwiGLU of two tensors (as the fused-row SwiGLU kernels, below)
+extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_pack_norm_scale(const PackParams p) { pack_body<NormalizedSource<ScaleOnly>, 1>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_pack_norm(const PackParams p) { pack_body<NormalizedSource<Unmodulated>, 1>(p); }
+extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_swiglu_pair(const AbsmaxParams p) { absmax_swiglu_body<UpBeside>(p); }
 // One CTA per SM (the table takes 128 KB of shared memory); kernels/cuda_ops.py launches it where that fits.
 // The silu table (or its window) into shared memory with every 16-byte copy in flight at once (cp.async), then one
 // wait: a load-then-store loop waits for L2 once per iteration (8 times per thread for the 128 KB table).
@@ -460,8 +506,16 @@ extern "C" __global__ void __launch_bounds__(SILU_TABLE_THREADS, 1) nvfp4_pack_s
     copy_table_to_shared(silu_shared, p.src.silu_table, 2 * 65536);
     pack_body<SwigluSource<SiluLookedUp>, 1>(p);
 }
+extern "C" __global__ void __launch_bounds__(SILU_TABLE_THREADS, 1) nvfp4_pack_swiglu_pair_table(const PackParams p) {
+    copy_table_to_shared(silu_shared, p.src.silu_table, 2 * 65536);
+    pack_body<SwigluSource<SiluLookedUp, UpBeside>, 1>(p);
+}
 // Persistent CTAs (kernels/cuda_ops.py: the resident count), each copying the 12 KB window once.
 extern "C" __global__ void __launch_bounds__(PACK_THREADS, SILU_WINDOW_MIN_CTAS) nvfp4_pack_swiglu_window(const PackParams p) {
     copy_table_to_shared(silu_window_shared, p.src.silu_table, 2 * 2 * SILU_WINDOW);
     pack_body<SwigluWindowSource, 1>(p);
+}
+extern "C" __global__ void __launch_bounds__(PACK_THREADS, SILU_WINDOW_MIN_CTAS) nvfp4_pack_swiglu_pair_window(const PackParams p) {
+    copy_table_to_shared(silu_window_shared, p.src.silu_table, 2 * 2 * SILU_WINDOW);
+    pack_body<SwigluWindowOf<UpBeside>, 1>(p);
 }

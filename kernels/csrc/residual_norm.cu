@@ -1,10 +1,23 @@
-// Gated residual and RMSNorm statistics of a fused block's residual stream, and the bounds of the amax pass:
-//   fused_gated_residual x[r] += other[r] * gate[m] in place (ComfyUI's per-segment addcmul_), m = mod_index[r].
-//   fused_row_norm_*    RMSNorm statistics of x (optionally first updated by the gated residual): rstd[r] with
+// Residuals and RMSNorm statistics for the model blocks, and the bounds of the amax pass:
+//   fused_gated_residual   x[r] += other[r] * gate[m] in place (ComfyUI's per-segment addcmul_), m = mod_index[r].
+//   fused_row_norm_*       RMSNorm statistics of x (optionally first updated by the gated residual): rstd[r] with
 //                       torch's CUDA rms_norm arithmetic, and optionally the amax of the modulated, normalized rows
 //                       (the next projection's global scale, see packs.cu), so torch's norm never writes its output.
-//   fused_modulation_bounds per modulation row, the bounds that let the amax pass skip columns that cannot raise the
-//                       maximum (see bounded_amax).
+//                       MiniMax H3: the ScaleShift modulation form (nvfp4_common.cuh).
+//   fused_row_norm_amax_scale, _norm: the statistics and amax with the ScaleOnly form and without a
+//                       modulation (Unmodulated), for Z-Image's blocks.
+//   fused_post_norm_residual* Z-Image's sandwich-norm residual, in place:
+//                         gated:    x[r] = bf16(x[r] + bf16(gate[m] * bf16(w_o * (rstd_o[r] * other[r]))))
+//                         ungated:  x[r] = bf16(x[r] + bf16(w_o * (rstd_o[r] * other[r])))
+//                       (ComfyUI's x + apply_gate(tanh(gate), norm2(out)) and x + norm2(out); gate is the table of
+//                       tanh(gate) rows torch computed), where rstd_o is torch's rms_norm statistic of the row of
+//                       `other` (the norm weight w_o, eps other_eps), computed in the same pass: the row is staged
+//                       first, reduced, then combined with x. _stats / _amax_scale / _amax_norm: then the next
+//                       norm's statistics of the new x (and the next projection's amax with the ScaleOnly or
+//                       Unmodulated form), as fused_row_norm_residual_*.
+//   fused_modulation_bounds, _scale, fused_norm_bounds: per modulation row (one row without a modulation),
+//                       the bounds that let the amax pass skip columns that cannot raise the maximum (see
+//                       bounded_amax), for the ScaleShift, ScaleOnly and Unmodulated forms.
 // Each bf16() below is one round-to-nearest-even where PyTorch rounds, with IEEE fp32 between (no fast math).
 //
 // torch's rms_norm (vectorized_layer_norm_kernel<BFloat16, float, rms=true>, identical arithmetic in torch 2.9.0 to
@@ -14,6 +27,7 @@
 // rstd = rsqrt.approx.f32(add.rn(var, float(eps))) (non-ftz); n = bf16(mul.rn(w, mul.rn(rstd, x))). Here one warp
 // (fused_row_norm_stats / _amax) or two (the residual kernels) hold a row, each lane four or two of torch's logical
 // threads (row_norm_body and residual_norm_body say which), so the partial sums and the tree replay torch's exactly.
+// The post-norm residual replays it twice per row: for `other` (its norm), then for the new x (the next norm).
 //
 // Requirements checked on the host (kernels/cuda_ops.py): K % 16 == 0 (% 8 for fused_gated_residual), 16-byte aligned rows
 // and tables.
@@ -22,7 +36,8 @@
 // Launch shape: kernels/cuda_ops.py (LAUNCH) is the one source of these values and passes them as -D options.
 #if !defined(RESIDUAL_THREADS) || !defined(ROW_NORM_THREADS) || !defined(ROW_NORM_MAX_STEPS) ||                      \
     !defined(ROW_NORM_BATCH) || !defined(RESIDUAL_NORM_THREADS) || !defined(RESIDUAL_NORM_BATCH) ||                   \
-    !defined(RESIDUAL_AMAX_BATCH) || !defined(RESIDUAL_NORM_MIN_CTAS)
+    !defined(RESIDUAL_AMAX_BATCH) || !defined(RESIDUAL_NORM_MIN_CTAS) || !defined(POST_NORM_BATCH) ||                  \
+    !defined(ROW_NORM_MIN_CTAS)
 #error "kernels/cuda_ops.py passes the launch constants (ROW_NORM_THREADS, ROW_NORM_MAX_STEPS, ...) as -D options"
 #endif
 
@@ -56,8 +71,10 @@ struct RowNormParams {
     const u16* mod_shift;
     i64 mod_row_stride;
     GlobalScaleOut out;      // amax variants
-    const u16* bound_scale;  // amax variants: fused_modulation_bounds of (norm_weight, mod_scale, mod_shift)
+    const u16* bound_scale;  // amax variants: the modulation bounds of (norm_weight, mod_scale, mod_shift)
     const u16* bound_shift;
+    const u16* other_weight; // post-norm residuals: the bf16 [K] weight of the norm of `other`, and its eps
+    float other_eps;
 };
 
 struct ModBoundsParams {
@@ -67,8 +84,8 @@ struct ModBoundsParams {
     i64 mod_row_stride;
     i64 table_rows;          // R
     i64 cols;                // K
-    u16* bound_scale;        // out: bf16 [R, K], |w| |bf16(1 + scale)| rounded up (NaN stays NaN)
-    u16* bound_shift;        // out: bf16 [R, K / 8], max |shift| of each 8 columns
+    u16* bound_scale;        // out: bf16 [R, K], |w| |bf16(1 + scale)| rounded up (NaN stays NaN); |w| unmodulated
+    u16* bound_shift;        // out: bf16 [R, K / 8], max |shift| of each 8 columns (forms with a shift only)
 };
 
 // ---- gated residual --------------------------------------------------------------------------------------
@@ -170,7 +187,9 @@ NVFP4_DEVICE float torch_rstd(float part[4], float n_f, float eps) {
 // stores T = |w| |s1| per column (exact in fp32, rounded up to bf16) and S = max |shift| per 8 columns. Every h
 // of 8 columns then satisfies
 //   |h| <= (rstd max|x T| (1 + 2^-24)^2 (1 + 2^-8)^2 + S) (1 + 2^-8)
-// (two fp32 products, then three bf16 roundings, each of relative error <= 2^-8). The kernels take max|x T| in
+// (two fp32 products, then three bf16 roundings, each of relative error <= 2^-8). The other forms are special cases
+// of this one: ScaleOnly has S = 0 and one rounding fewer, Unmodulated also s1 = 1 (one bounds row, T = |w|); their
+// bounds kernels write no S and the passes read none. The kernels take max|x T| in
 // bf16x2 (one more rounding), evaluate the bound with margin (factors 1.04 and 1.01; 2^-126 added to max|x T|
 // before the multiply by rstd and 2^-120 at the end cover subnormal roundings, whose error is absolute; a T that
 // underflowed is harmless as rstd |x| <= sqrt(K)) and evaluate exactly only the chunks whose bound is not below the
@@ -196,18 +215,21 @@ NVFP4_DEVICE u32 bf16x2_abs_mul(u32 x, u32 t) {
     return r;
 }
 
-extern "C" __global__ void __launch_bounds__(256) fused_modulation_bounds(const ModBoundsParams p) {
+template <class Form>
+__device__ __forceinline__ void modulation_bounds_body(const ModBoundsParams& p) {
     const u32 groups = (u32)(p.cols / 8), total = (u32)p.table_rows * groups;
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
         const u32 r = i / groups, col = (i - r * groups) * 8;
         const u32x4 wv = load_16B(p.norm_weight + col);
-        const u32x4 sv = load_16B(p.mod_scale + (i64)r * p.mod_row_stride + col);
-        const u32x4 hv = load_16B(p.mod_shift + (i64)r * p.mod_row_stride + col);
+        u32x4 sv = {0, 0, 0, 0}, hv = {0, 0, 0, 0};
+        if (Form::kScale) sv = load_16B(p.mod_scale + (i64)r * p.mod_row_stride + col);
+        if (Form::kShift) hv = load_16B(p.mod_shift + (i64)r * p.mod_row_stride + col);
         const u32 ws[4] = {wv.x, wv.y, wv.z, wv.w}, ss[4] = {sv.x, sv.y, sv.z, sv.w}, hs[4] = {hv.x, hv.y, hv.z, hv.w};
         u32 t[4], s_abs = 0;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const u32 w = ws[j] & 0x7FFF7FFFu, s1 = bf16x2_add(BF16X2_ONE, ss[j]) & 0x7FFF7FFFu;
+            const u32 w = ws[j] & 0x7FFF7FFFu;
+            const u32 s1 = Form::kScale ? bf16x2_add(BF16X2_ONE, ss[j]) & 0x7FFF7FFFu : BF16X2_ONE;
             u32 half16[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -219,13 +241,14 @@ extern "C" __global__ void __launch_bounds__(256) fused_modulation_bounds(const 
             s_abs = abs_bits_max_x2(s_abs, hs[j]);
         }
         store_16B(p.bound_scale + (i64)r * p.cols + col, u32x4{t[0], t[1], t[2], t[3]});
-        p.bound_shift[i] = (u16)max(s_abs & 0xFFFFu, s_abs >> 16);
+        if (Form::kShift) p.bound_shift[i] = (u16)max(s_abs & 0xFFFFu, s_abs >> 16);
     }
 }
 
 // The amax pass over a warp's staged chunks c = Step k + first (the whole row: Step 1; half a row: Step 2), chunk k
 // staged at word 128 k: the bounds of Batch chunks loaded at a time, the exact value only where a bound requires it.
-template <int Batch, int Step>
+// Form: the modulation form of the next projection's input; m its modulation row (0 for Unmodulated).
+template <int Batch, int Step, class Form>
 __device__ __forceinline__ u32 bounded_amax(u32 acc, const u32* staged, const RowNormParams& p, i64 m, float rstd,
                                             u32 first, u32 lane) {
     constexpr int Chunks = ROW_NORM_CHUNKS / Step;
@@ -246,7 +269,7 @@ __device__ __forceinline__ u32 bounded_amax(u32 acc, const u32* staged, const Ro
         for (int b = 0; b < Batch; ++b) {
             if (k0 + b < Chunks && col0 + b * ColStep < cols) {  // cols % 16 == 0: a lane's 8 are in or out
                 tv[b] = load_16B(t_ptr + b * ColStep);
-                sv[b] = load_2B(s_ptr + b * ColStep / 8);
+                sv[b] = Form::kShift ? load_2B(s_ptr + b * ColStep / 8) : 0u;
             }
         }
 #pragma unroll
@@ -262,11 +285,12 @@ __device__ __forceinline__ u32 bounded_amax(u32 acc, const u32* staged, const Ro
                                           1.01f, 0x1p-120f);
             if (!(bound < running)) {  // rare: the exact values
                 const u32x4 nw = load_16B(p.norm_weight + col);
-                const u32x4 sc = load_16B(p.mod_scale + m * p.mod_row_stride + col);
-                const u32x4 sh = load_16B(p.mod_shift + m * p.mod_row_stride + col);
+                u32x4 sc = {0, 0, 0, 0}, sh = {0, 0, 0, 0};
+                if (Form::kScale) sc = load_16B(p.mod_scale + m * p.mod_row_stride + col);
+                if (Form::kShift) sh = load_16B(p.mod_shift + m * p.mod_row_stride + col);
                 const u32 ws[4] = {nw.x, nw.y, nw.z, nw.w}, ss[4] = {sc.x, sc.y, sc.z, sc.w}, ts[4] = {sh.x, sh.y, sh.z, sh.w};
 #pragma unroll
-                for (int i = 0; i < 4; ++i) acc = abs_bits_max_x2(acc, modulate_x2(rms_norm_x2(xs[i], ws[i], rstd), ss[i], ts[i]));
+                for (int i = 0; i < 4; ++i) acc = abs_bits_max_x2(acc, Form::apply(rms_norm_x2(xs[i], ws[i], rstd), ss[i], ts[i]));
                 running = running_max_of(acc);
             }
         }
@@ -281,8 +305,9 @@ NVFP4_DEVICE u32 warp_running_max(u32 acc) {
     return r;
 }
 
-// Statistics of x itself (no residual): x loaded into registers ROW_NORM_BATCH chunks at a time.
-template <bool Amax>
+// Statistics of x itself (no residual): x loaded into registers ROW_NORM_BATCH chunks at a time. Form: the
+// modulation form of the amax pass.
+template <bool Amax, class Form>
 __device__ __forceinline__ void row_norm_body(const RowNormParams& p) {
     const u32 lane = threadIdx.x & 31;
     const u32 cols = (u32)p.cols, rows = (u32)p.rows;
@@ -312,7 +337,10 @@ __device__ __forceinline__ void row_norm_body(const RowNormParams& p) {
         }
         const float rstd = torch_rstd(part, (float)cols, p.eps);
         if (lane == 0) p.rstd[row] = rstd;
-        if (Amax) acc = warp_running_max(bounded_amax<ROW_NORM_BATCH, 1>(acc, staged, p, (i64)p.mod_index[row], rstd, 0, lane));
+        if (Amax) {
+            const i64 m = Form::kScale ? (i64)p.mod_index[row] : 0;
+            acc = warp_running_max(bounded_amax<ROW_NORM_BATCH, 1, Form>(acc, staged, p, m, rstd, 0, lane));
+        }
     }
     if (Amax) absmax_finish<ROW_NORM_THREADS>(p.out, acc);
 }
@@ -336,9 +364,55 @@ NVFP4_DEVICE void copy_half_row_async(u32 shared_addr, const u16* src, u32 half,
     }
 }
 
-// x[r] += other[r] * gate[m], then the statistics (and the amax) of the new x. The next row's x and other are copied
-// into shared memory while the current one is finished (other during the statistics and amax pass, x after it).
-template <bool Amax>
+// What the residual kernels add to x (the Residual policy of residual_norm_body), per bf16x2 word x of the row, o of
+// `other`, g of the gate row and w of the norm weight of `other` (post-norm only), rstd_o the row's rstd of `other`:
+//   AddcmulResidual         bf16(x + o g): torch's addcmul_ (gated_add), H3's _mod_gate
+//   PostNormResidual<true>  bf16(x + bf16(g bf16(w (rstd_o o)))): rms_norm, mul, add (Z-Image's gated residual)
+//   PostNormResidual<false> bf16(x + bf16(w (rstd_o o))): rms_norm, add (Z-Image's refiner blocks)
+// kGated: the kernel reads the gate rows; kNormsOther: it reduces the staged row of `other` first; kBatch: gate
+// (and norm weight) chunks loaded at a time.
+struct AddcmulResidual {
+    static constexpr bool kGated = true, kNormsOther = false;
+    static constexpr int kBatch = RESIDUAL_NORM_BATCH;
+    static __device__ __forceinline__ u32 update(u32 x, u32 o, u32 g, u32, float) {
+        return pack_bf16x2(gated_add(bf16_lo(x), bf16_lo(o), bf16_lo(g)), gated_add(bf16_hi(x), bf16_hi(o), bf16_hi(g)));
+    }
+};
+template <bool Gated>
+struct PostNormResidual {
+    static constexpr bool kGated = Gated, kNormsOther = true;
+    static constexpr int kBatch = POST_NORM_BATCH;
+    static __device__ __forceinline__ u32 update(u32 x, u32 o, u32 g, u32 w, float rstd_other) {
+        const u32 n = rms_norm_x2(o, w, rstd_other);
+        return bf16x2_add(x, Gated ? bf16x2_mul(g, n) : n);
+    }
+};
+
+// torch's rstd of a staged half row pair: each warp sums the squares of its chunks of the row (chunk k at word
+// 128 k of `half_row`), the trees, the two warps' sums exchanged through sums[half][(0, 1)] (one barrier), then
+// S = (W0 + W2) + (W1 + W3) as in the statistics of x below.
+NVFP4_DEVICE float staged_row_rstd(const u32* half_row, float sums[2][2], u32 half, u32 lane, u32 cols, float eps) {
+    float part[2] = {0.0f, 0.0f};  // torch's logical threads 64 half + 2 lane + j
+#pragma unroll
+    for (int k = 0; k < ROW_NORM_MAX_STEPS; ++k) {
+        const u32 col = 256u * (2 * k + half) + 8u * lane;
+        if (col >= cols) break;
+        const u32x4 v = *reinterpret_cast<const u32x4*>(half_row + 4 * (32 * k + lane));
+        const u32 w[4] = {v.x, v.y, v.z, v.w};
+        add_squares(w, part);
+    }
+    half_warp_tree<2>(part);
+    const float sum = __fadd_rn(part[0], part[1]);
+    if (lane == 0 || lane == 16) sums[half][lane >> 4] = sum;
+    __syncthreads();
+    const float total = __fadd_rn(__fadd_rn(sums[0][0], sums[1][0]), __fadd_rn(sums[0][1], sums[1][1]));
+    return torch_rstd_of(total, (float)cols, eps);
+}
+
+// x[r] = Residual::update(x[r], other[r], ...), then the statistics (and, Amax, the amax with the modulation form
+// Form) of the new x. The next row's x and other are copied into shared memory while the current one is finished
+// (other during the statistics and amax pass, x after it).
+template <class Residual, bool Amax, class Form>
 __device__ __forceinline__ void residual_norm_body(const RowNormParams& p) {
     const u32 lane = threadIdx.x & 31, half = threadIdx.x >> 5;
     const u32 cols = (u32)p.cols, rows = (u32)p.rows;
@@ -348,6 +422,7 @@ __device__ __forceinline__ void residual_norm_body(const RowNormParams& p) {
     const u32 x_shared = (u32)__cvta_generic_to_shared(staged), other_shared = x_shared + 4 * HALF_ROW_WORDS;
     __shared__ float warp_sums[2][2][2];  // [row parity][half][torch warp 2 half + (0, 1)]
     __shared__ u32 warp_amax[2][2];       // [row parity][half]
+    __shared__ float other_sums[2][2][2]; // the same as warp_sums for the norm of `other` (post-norm residuals)
 
     // The CTAs walk the rows from the last one back (row rows - 1 - r for r = CTA + k * grid): the GEMM before wrote
     // `other`'s last rows last, and part of them is still in L2 (faster right after a bf16 GEMM of the out_proj
@@ -362,20 +437,25 @@ __device__ __forceinline__ void residual_norm_body(const RowNormParams& p) {
     for (; row < rows; row += gridDim.x, parity ^= 1) {
         const u32 next = row + gridDim.x;
         u16* xrow = p.x + (i64)ROW_AT(row) * p.x_row_stride;
-        const i64 m = (i64)p.mod_index[ROW_AT(row)];
+        const i64 m = (Residual::kGated || (Amax && Form::kScale)) ? (i64)p.mod_index[ROW_AT(row)] : 0;
         const u16* grow = p.gate + m * p.gate_row_stride;
         float part[2] = {0.0f, 0.0f};  // torch's logical threads 64 half + 2 lane + j
         wait_copies();  // this row's x and other (the lane's own chunks)
+        float rstd_other = 0.0f;
+        if (Residual::kNormsOther) rstd_other = staged_row_rstd(other_staged, other_sums[parity], half, lane, cols, p.other_eps);
 #pragma unroll 1
-        for (int k0 = 0; k0 < ROW_NORM_MAX_STEPS; k0 += RESIDUAL_NORM_BATCH) {
-            u32x4 gv[RESIDUAL_NORM_BATCH];
+        for (int k0 = 0; k0 < ROW_NORM_MAX_STEPS; k0 += Residual::kBatch) {
+            u32x4 gv[Residual::kBatch], wv[Residual::kBatch];
 #pragma unroll
-            for (int b = 0; b < RESIDUAL_NORM_BATCH; ++b) {
+            for (int b = 0; b < Residual::kBatch; ++b) {
                 const u32 col = 256u * (2 * (k0 + b) + half) + 8u * lane;
-                if (k0 + b < ROW_NORM_MAX_STEPS && col < cols) gv[b] = load_16B(grow + col);
+                if (k0 + b < ROW_NORM_MAX_STEPS && col < cols) {
+                    if (Residual::kGated) gv[b] = load_16B(grow + col);
+                    if (Residual::kNormsOther) wv[b] = load_16B(p.other_weight + col);
+                }
             }
 #pragma unroll
-            for (int b = 0; b < RESIDUAL_NORM_BATCH; ++b) {
+            for (int b = 0; b < Residual::kBatch; ++b) {
                 const u32 col = 256u * (2 * (k0 + b) + half) + 8u * lane;
                 if (k0 + b >= ROW_NORM_MAX_STEPS || col >= cols) continue;
                 const u32 slot = 4 * (32 * (k0 + b) + lane);
@@ -383,11 +463,9 @@ __device__ __forceinline__ void residual_norm_body(const RowNormParams& p) {
                 const u32x4 ov = *reinterpret_cast<const u32x4*>(other_staged + slot);
                 u32 w[4] = {xv.x, xv.y, xv.z, xv.w};
                 const u32 os[4] = {ov.x, ov.y, ov.z, ov.w}, gs[4] = {gv[b].x, gv[b].y, gv[b].z, gv[b].w};
+                const u32 ws[4] = {wv[b].x, wv[b].y, wv[b].z, wv[b].w};
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {  // torch's addcmul_: see gated_add
-                    w[i] = pack_bf16x2(gated_add(bf16_lo(w[i]), bf16_lo(os[i]), bf16_lo(gs[i])),
-                                       gated_add(bf16_hi(w[i]), bf16_hi(os[i]), bf16_hi(gs[i])));
-                }
+                for (int i = 0; i < 4; ++i) w[i] = Residual::update(w[i], os[i], gs[i], ws[i], rstd_other);
                 const u32x4 r = u32x4{w[0], w[1], w[2], w[3]};
                 store_16B(xrow + col, r);
                 add_squares(w, part);
@@ -411,19 +489,31 @@ __device__ __forceinline__ void residual_norm_body(const RowNormParams& p) {
                                       __fadd_rn(warp_sums[parity][0][1], warp_sums[parity][1][1]));
         const float rstd = torch_rstd_of(total, (float)cols, p.eps);
         if (threadIdx.x == 0) p.rstd[ROW_AT(row)] = rstd;
-        if (Amax) acc = bounded_amax<RESIDUAL_AMAX_BATCH, 2>(acc, staged, p, m, rstd, half, lane);
+        if (Amax) acc = bounded_amax<RESIDUAL_AMAX_BATCH, 2, Form>(acc, staged, p, m, rstd, half, lane);
         if (Amax && next < rows) copy_half_row_async(x_shared, p.x + (i64)ROW_AT(next) * p.x_row_stride, half, lane, cols);
         commit_copies();
     }
     wait_copies();
-    if (Amax) absmax_finish<RESIDUAL_NORM_THREADS>(p.out, acc);
+    if (Amax) absmax_finish<RESIDUAL_NORM_THREADS, Bf16, Residual>(p.out, acc);
 #undef ROW_AT
 }
 
 // ---- entry points (one name per variant; kernels/runtime.py looks them up by name) -------------------------
 
 extern "C" __global__ void __launch_bounds__(RESIDUAL_THREADS) fused_gated_residual(const GatedResidualParams p) { gated_residual_body(p); }
-extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_row_norm_stats(const RowNormParams p) { row_norm_body<false>(p); }
-extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_row_norm_amax(const RowNormParams p) { row_norm_body<true>(p); }
-extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) fused_row_norm_residual_stats(const RowNormParams p) { residual_norm_body<false>(p); }
-extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) fused_row_norm_residual_amax(const RowNormParams p) { residual_norm_body<true>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_row_norm_stats(const RowNormParams p) { row_norm_body<false, ScaleShift>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_row_norm_amax(const RowNormParams p) { row_norm_body<true, ScaleShift>(p); }
+extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) fused_row_norm_residual_stats(const RowNormParams p) { residual_norm_body<AddcmulResidual, false, ScaleShift>(p); }
+extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) fused_row_norm_residual_amax(const RowNormParams p) { residual_norm_body<AddcmulResidual, true, ScaleShift>(p); }
+extern "C" __global__ void __launch_bounds__(256) fused_modulation_bounds(const ModBoundsParams p) { modulation_bounds_body<ScaleShift>(p); }
+// Z-Image: the statistics and amax with its modulation forms, and the post-norm residuals (gated: the modulated
+// blocks, handing on to a ScaleOnly norm; ungated: the refiner blocks, handing on to an unmodulated norm). A
+// residual without a next norm runs the _stats kernel into a scratch rstd (kernels/cuda_ops.py).
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS, ROW_NORM_MIN_CTAS) fused_row_norm_amax_scale(const RowNormParams p) { row_norm_body<true, ScaleOnly>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS, ROW_NORM_MIN_CTAS) fused_row_norm_amax_norm(const RowNormParams p) { row_norm_body<true, Unmodulated>(p); }
+extern "C" __global__ void __launch_bounds__(256) fused_modulation_bounds_scale(const ModBoundsParams p) { modulation_bounds_body<ScaleOnly>(p); }
+extern "C" __global__ void __launch_bounds__(256) fused_norm_bounds(const ModBoundsParams p) { modulation_bounds_body<Unmodulated>(p); }
+extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) fused_post_norm_residual_gated_stats(const RowNormParams p) { residual_norm_body<PostNormResidual<true>, false, ScaleOnly>(p); }
+extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) fused_post_norm_residual_gated_amax_scale(const RowNormParams p) { residual_norm_body<PostNormResidual<true>, true, ScaleOnly>(p); }
+extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) fused_post_norm_residual_stats(const RowNormParams p) { residual_norm_body<PostNormResidual<false>, false, Unmodulated>(p); }
+extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) fused_post_norm_residual_amax_norm(const RowNormParams p) { residual_norm_body<PostNormResidual<false>, true, Unmodulated>(p); }
