@@ -253,7 +253,14 @@ class FusedDiTBlock(PackPatch):
         if ("double_block", self.index) in replace or ("double_block", nxt.index) in replace:
             return "a block-replace patch is installed on this or the next block"
         if (transformer_options or {}).get("prefetch_dynamic_vbars", False):
-            return "ComfyUI prefetches the next block's weights (dynamic VRAM)"
+            # Dynamic VRAM: ComfyUI prefetches block i + 1's weights when that block starts. Its adaLN rows and
+            # norm1 weight, taken here through ComfyUI's own cast, are the same either way; a layer not kept in
+            # VRAM would be copied once more, so the hand-over waits until it is.
+            streamed = [name for name, module in (("adaln_proj", nxt.block.adaln_proj), ("norm1", nxt.block.norm1))
+                        if not comfy_adapter.weights_in_vram(module)]
+            if streamed:
+                return (f"dynamic VRAM has not kept the next block's {' and '.join(streamed)} weights in VRAM "
+                        f"(ComfyUI's prefetch brings them with that block)")
         if (transformer_options or {}).get("block_index", self.index) != self.index:
             return "the block is not called from the model's block loop"
         return None
@@ -265,13 +272,16 @@ class FusedDiTBlock(PackPatch):
         incoming = self._take_handoff(x, t_emb, mod_segments)
         self.counts["fused"] += 1
         self.counts["handoff_in"] += incoming is not None
-        if incoming is not None:
-            rows, activated = incoming.rows, incoming.activated_t_emb
-        else:
-            activated = torch.nn.functional.silu(t_emb) if silu_reusable(block.adaln_proj) else None
-            rows = adaln_rows(block.adaln_proj, t_emb, activated)
+        # Outside ComfyUI's allocation graph (dynamic VRAM records each block's allocations): the token index and
+        # silu(t_emb) outlive this block, and every block allocates alike, whether it was handed its rows or not.
+        with allocation_context():
+            index = self.state.index_cache.get(mod_segments, x.shape[0], x.device)
+            if incoming is not None:
+                rows, activated = incoming.rows, incoming.activated_t_emb
+            else:
+                activated = torch.nn.functional.silu(t_emb) if silu_reusable(block.adaln_proj) else None
+                rows = adaln_rows(block.adaln_proj, t_emb, activated)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = rows
-        index = self.state.index_cache.get(mod_segments, x.shape[0], x.device)
         mod_msa = Modulation(bf16_table(scale_msa), bf16_table(shift_msa), index)
         mod_mlp = Modulation(bf16_table(scale_mlp), bf16_table(shift_mlp), index)
 
