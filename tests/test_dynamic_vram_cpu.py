@@ -142,8 +142,8 @@ PATCHED = ("blocks.0.attn.qkv_proj", "blocks.1.mlp.fc2", "blocks.1.adaln_proj.li
            "blocks.1.norm1")
 
 
-def chain(seed, *, in_vram: bool, with_lora: bool, staged_norms: bool = False):
-    blocks = [syn.make_dit_block(seed=seed + i) for i in range(3)]
+def chain(seed, *, in_vram: bool, with_lora: bool, staged_norms: bool = False, static_layers=()):
+    blocks = [syn.make_dit_block(seed=seed + i, static_layers=static_layers) for i in range(3)]
     inputs = syn.make_block_inputs(tokens=TOKENS, seed=seed + 9)
     patcher, patches = syn.fused_patcher(blocks, "block")
     staged = [f"blocks.{i}.{path}" for i in range(3) for path in STAGED]
@@ -160,14 +160,17 @@ def handoffs(patches) -> list[int]:
     return [patches[f"blocks.{i}.forward"].counts["handoff_out"] for i in range(3)]
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic-scales", "static-out-proj-fc2"])
 @pytest.mark.parametrize("with_lora", [True, False], ids=["lora-on-the-fly", "no-lora"])
-def test_weights_cast_by_dynamic_vram_match_comfyui(with_lora):
+def test_weights_cast_by_dynamic_vram_match_comfyui(with_lora, static):
     """Two forwards (sampling steps) of three real blocks under dynamic VRAM's cast and prefetch: the LoRA on two
-    NVFP4 Linears, on block 1's norm1 and on blocks 1 and 2's adaLN projections (which the previous block's last
-    residual reads for the hand-over) reaches both arms alike; every NVFP4 call fused, both norms folded; the
-    hand-over is taken from the second forward on (the first cast of a layer after loading places it in VRAM)."""
+    NVFP4 Linears (fc2 with a static input_scale in the static variant: its weight requantized with a new scale),
+    on block 1's norm1 and on blocks 1 and 2's adaLN projections (which the previous block's last residual reads for
+    the hand-over) reaches both arms alike; every NVFP4 call fused, both norms folded; the hand-over is taken from
+    the second forward on (the first cast of a layer after loading places it in VRAM)."""
     seed = fresh_seed()
-    blocks, inputs, patcher, patches, dynamic = chain(seed, in_vram=True, with_lora=with_lora)
+    blocks, inputs, patcher, patches, dynamic = chain(seed, in_vram=True, with_lora=with_lora,
+                                                      static_layers=("attn.out_proj", "mlp.fc2") if static else ())
     plain = run_blocks(blocks, inputs)
     with dynamic.active():
         stock = [run_blocks(blocks, inputs) for _ in range(2)]
@@ -272,3 +275,43 @@ def test_what_outlives_a_block_is_allocated_outside_comfyuis_allocation_graph(mo
     assert handoffs(patches) == [1, 1, 0] and graph.paused == 0
     assert sorted({what for what, _ in made}) == ["adaLN rows", "silu(t_emb)", "token index"], made
     assert all(paused for _, paused in made), made
+
+
+@pytest.mark.parametrize("in_vram", [True, False], ids=["kept-in-vram", "streamed"])
+def test_static_scale_gemm_alpha_from_the_weight_comfyuis_cast_hands_out(monkeypatch, in_vram):
+    """A Linear with a static input_scale gives its FP4 GEMM (Blackwell) the output scale input_scale x the weight's
+    scale_2, which ComfyUI's GEMM computes from the weight its cast hands out. Under dynamic VRAM a LoRA is applied
+    by that cast and the NVFP4 weight requantized with a scale_2 of its own: the alpha must be that weight's, on
+    every call, not the stored weight's."""
+    import comfy.ops
+
+    from h3_fused_nvfp4 import comfy_adapter
+    from h3_fused_nvfp4.core import linear as core_linear
+
+    layer = syn.make_nvfp4_linear(256, 128, seed=11, input_scale=3.0 / 2688)  # a LoRA that moves scale_2
+    holder = torch.nn.Module()
+    holder.proj = layer
+    patcher = syn.model_patcher_for(holder, "cpu")
+    dynamic = DynamicVram(patcher, ["proj"], in_vram=in_vram, lora=lora_tensors(holder, ["proj"], 5))
+    fused = core_linear.FusedNVFP4Linear(layer, "proj")
+    alphas, cast_scales = [], []
+    monkeypatch.setattr(core_linear, "gemm_mode", lambda device: "nvfp4")  # the FP4 GEMM's call, as on Blackwell
+
+    def fp4_gemm(a, b, *, tensor_scale_a, tensor_scale_b, block_scale_a, block_scale_b, bias, out_dtype, alpha):
+        alphas.append(alpha.clone())
+        cast_scales.append(tensor_scale_b.clone())
+        return torch.zeros((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+    monkeypatch.setattr(comfy_adapter, "scaled_mm_nvfp4", fp4_gemm)
+    x = torch.randn((40, 256), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with dynamic.active(), torch.inference_mode():
+        for _ in range(3):
+            fused(x)
+    stored = layer.weight._params.scale.float().reshape(1)
+    assert fused.calls_fused == 3 and len(alphas) == 3
+    assert all(torch.equal(s, cast_scales[0]) for s in cast_scales)
+    assert not torch.equal(cast_scales[0].float().reshape(1), stored)  # the LoRA's requantization changed it
+    want = (torch.tensor([3.0 / 2688], dtype=torch.float32) * cast_scales[0].float()).reshape(1)
+    for alpha in alphas:
+        assert torch.equal(alpha.view(torch.int32), want.view(torch.int32)), (alpha, want)
+    assert comfy.ops.cast_bias_weight is dynamic.original
