@@ -376,13 +376,14 @@ def left_on_comfy_path(node_text: str) -> int:
     return int(match.group(1)) if match else 0
 
 
-def accounting(record: dict) -> dict:
-    """Whether every NVFP4 call of a fused run is accounted for (module docstring)."""
+def accounting(record: dict, logged: set[str] | None = None) -> dict:
+    """Whether every NVFP4 call of a fused run is accounted for (module docstring). ``logged``: the reasons the
+    server logged up to this run (the pack logs a reason once per layer and process), else this run's."""
     calls = record.get("calls")
     if calls is None:
         return {"accounted": False, "why": "no H3ServerCheck_Calls output"}
     left = left_on_comfy_path(record["node_text"].get("toggle", ""))
-    logged = {entry["reason"] for entry in record["stock_log"]}
+    logged = logged if logged is not None else {entry["reason"] for entry in record["stock_log"]}
     problems = []
     if calls["nvfp4_linears"] != calls["fused_patches"] + left:
         problems.append(f"{calls['nvfp4_linears']} NVFP4 Linears, {calls['fused_patches']} fused patches, {left} "
@@ -437,6 +438,12 @@ def plan(models, quick: bool = False):
                     yield name, lora, round_, arm, seed
 
 
+def logged_until(runs: list[dict], record: dict) -> set[str]:
+    """The reasons the same server logged for calls on ComfyUI's path up to and including ``record``'s run."""
+    upto = runs[: next(i for i, r in enumerate(runs) if r is record) + 1]
+    return {e["reason"] for r in upto if r["config"] == record["config"] for e in r["stock_log"]}
+
+
 def summarize(base: pathlib.Path, runs: list[dict]) -> list[dict]:
     rows = []
     keys = sorted({(r["config"], r["model"], r["lora"]) for r in runs}, key=lambda k: (k[0], k[1], k[2]))
@@ -451,7 +458,7 @@ def summarize(base: pathlib.Path, runs: list[dict]) -> list[dict]:
         if (1, "fused") in mine and last > 1:
             row["round1_fused_vs_comfy"] = compare(base, mine[(1, "fused")], mine[(1, "comfy")])
         fused_runs = [r for (rnd, arm), r in sorted(mine.items()) if arm == "fused"]
-        row["accounting"] = [dict(round=r["round"], **accounting(r)) for r in fused_runs]
+        row["accounting"] = [dict(round=r["round"], **accounting(r, logged_until(runs, r))) for r in fused_runs]
         if lora:  # the LoRA took effect: its latents differ from the same arm's without it
             plain = next((r for r in runs if (r["config"], r["model"], r["lora"], r["round"], r["arm"]) ==
                           (config, model, False, last, "comfy")), None)

@@ -9,7 +9,8 @@
 * ``H3ServerCheck_Conditioning``: a fixed random text conditioning of a given width (no text encoder file).
 * ``H3ServerCheck_Calls`` (output node, after the sampler): what the pack's patches of the sampled model counted
   since the last report: NVFP4 Linear calls fused and on ComfyUI's path with their reasons, the H3 blocks' fused
-  calls and hand-overs; and the model's NVFP4 Linears, those with a fused patch and those without.
+  calls and hand-overs; and the model's NVFP4 Linears, those with a fused patch and those without, and the compute
+  dtype ComfyUI chose.
 * ``H3ServerCheck_MarkBlock`` (``real_server.py --dram``): a profiler window (``cudaProfilerStart`` / ``Stop``, a
   spin-kernel marker first) around one call of one H3 block, for Nsight Compute.
 * ``GET /h3_server_check/pid``: the server's process id (to stop it with SIGINT under ncu).
@@ -119,6 +120,7 @@ class H3ServerCheck_Calls:
             "blocks": dict(sum((collections.Counter(v) for v in blocks.values()), collections.Counter())),
             "block_calls": {name: dict(v) for name, v in sorted(blocks.items())},
             "pack_state": {k: state.get(k) for k in ("mode", "scope")},
+            "compute_dtype": str(model.model.get_dtype_inference()).removeprefix("torch."),
         }
         return {"ui": {"text": [json.dumps(result)]}}
 

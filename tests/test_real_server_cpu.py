@@ -56,6 +56,7 @@ def test_quick_run_through_comfyuis_server(tmp_path):
     calls = row["calls_last_round"]
     assert calls["nvfp4_linears"] == calls["fused_patches"] == 20 and calls["calls_stock"] == 0, calls
     assert calls["calls_fused"] >= 20 and not calls["linears_not_called"], calls
+    assert calls["compute_dtype"] == "bfloat16", calls
     # 3 blocks, 1 step: block 1 hands over to block 2 (block 0 too, unless this first fused forward's block self-check
     # ran on it: that call returns ComfyUI's block)
     assert calls["block_calls"]["blocks.1"]["handoff_out"] == calls["block_calls"]["blocks.2"]["handoff_in"] == 1
@@ -134,3 +135,18 @@ def test_every_call_must_be_accounted_for(server_check):
     uncalled = dict(calls, linears_not_called=["blocks.0.attn.qkv_proj"])
     assert not server_check.accounting(dict(record, calls=uncalled))["accounted"]
     assert not server_check.accounting({"node_text": {}, "stock_log": [], "pack_log": []})["accounted"]
+
+
+def test_a_reason_logged_in_an_earlier_run_of_the_same_server_counts(server_check):
+    """The pack logs each reason once per layer and process: a later run's call on ComfyUI's path is accounted for
+    by the line an earlier run of the same server logged, not by another server's."""
+    reason = "inside torch.compile (stock path is traced instead)"
+    calls = {"nvfp4_linears": 1, "fused_patches": 1, "calls_fused": 0, "calls_stock": 1, "stock_reasons": {reason: 1},
+             "linears_not_called": []}
+    first = {"config": "classic", "calls": calls, "node_text": {}, "pack_log": [],
+             "stock_log": [{"where": "blocks.0.mlp.fc2", "reason": reason}]}
+    second = dict(first, stock_log=[])
+    other = dict(first, config="dynamic", stock_log=[])
+    runs = [first, other, second]
+    assert server_check.accounting(second, server_check.logged_until(runs, second))["accounted"]
+    assert not server_check.accounting(other, server_check.logged_until(runs, other))["accounted"]
