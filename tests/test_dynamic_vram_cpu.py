@@ -160,8 +160,8 @@ def handoffs(patches) -> list[int]:
     return [patches[f"blocks.{i}.forward"].counts["handoff_out"] for i in range(3)]
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic-scales", "static-out-proj-fc2"])
-@pytest.mark.parametrize("with_lora", [True, False], ids=["lora-on-the-fly", "no-lora"])
+@pytest.mark.parametrize("with_lora,static", [(True, False), (True, True), (False, False)],
+                         ids=["lora-on-the-fly", "lora-on-the-fly-static-out-proj-fc2", "no-lora"])
 def test_weights_cast_by_dynamic_vram_match_comfyui(with_lora, static):
     """Two forwards (sampling steps) of three real blocks under dynamic VRAM's cast and prefetch: the LoRA on two
     NVFP4 Linears (fc2 with a static input_scale in the static variant: its weight requantized with a new scale),
