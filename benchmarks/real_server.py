@@ -354,7 +354,9 @@ def run_record(server: Server, base: pathlib.Path, prompt: dict, **labels) -> di
     if "refused" in entry:
         record["error"] = entry["refused"]
     elif record["status"] != "success":
-        record["error"] = [m for m in entry["status"].get("messages", []) if m[0] == "execution_error"]
+        record["error"] = [{k: m[1].get(k) for k in ("node_id", "node_type", "exception_type", "exception_message")}
+                           | {"traceback": "".join(m[1].get("traceback", []))[-3000:]}
+                           for m in entry["status"].get("messages", []) if m[0] == "execution_error"]
     outputs = entry.get("outputs", {})
     record["node_text"] = {node: out["text"][0] for node, out in outputs.items()
                            if node in ("loader", "toggle") and out.get("text")}

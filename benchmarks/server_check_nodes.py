@@ -136,6 +136,8 @@ class H3ServerCheck_MarkBlock:
     CATEGORY = "testing/h3 server check"
 
     def mark(self, model, block, call):
+        if not torch.cuda.is_available():  # no profiler to mark for
+            return (model,)
         module = model.get_model_object("diffusion_model").blocks[block]
         seen = {"calls": 0}
         handles = []
