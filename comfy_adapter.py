@@ -132,6 +132,19 @@ def norm_weight(norm, x: torch.Tensor):
             yield weight
 
 
+def weights_in_vram(module) -> bool:
+    """Whether every ComfyUI layer of ``module`` has its weights on the device without a transfer.
+
+    Under dynamic VRAM (``ModelPatcherDynamic`` with comfy-aimdo) a layer with a VRAM allocation (``_v``) keeps its
+    weights in system memory and ComfyUI casts them per call (comfy/ops.py ``cast_modules_with_vbar``: staged
+    copies, LoRA patches applied on the fly). ``_v_signature`` is the allocation's signature from the last cast
+    that placed the weights there; it is None before the first one and when the last one could not (no VRAM left:
+    the weights then come through a cast buffer, copied per call). Casting a layer outside ComfyUI's prefetch of
+    its block gives the same weights either way; on the device it copies nothing. Layers without ``_v`` (classic
+    memory mode, small layers dynamic VRAM loads to the device) always have their weights on the device."""
+    return all(getattr(m, "_v_signature", None) is not None for m in module.modules() if hasattr(m, "_v"))
+
+
 def cast_to(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
     try:
         import comfy.model_management

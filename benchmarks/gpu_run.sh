@@ -29,12 +29,21 @@
 #                  calls fused, time, peak memory, and under ncu the Linear input path's DRAM bytes against its floor
 #                  -> families.json. FAMILIES=a,b picks families, FAMILIES_ARGS adds arguments (--no-ncu, --layers N,
 #                  --dtype bf16), FAMILIES_TIMEOUT (default 560 s) is its time limit
+#   server         benchmarks/real_server.py: ComfyUI's real main.py with the pack installed, only ComfyUI's own flags,
+#                  random-weight NVFP4 H3, Wan 2.2 (fp16) and Z-Image files with and without a LoRA, graphs through
+#                  the HTTP API in each memory mode (dynamic VRAM with and without the Comfy compiler, classic):
+#                  latents comfy vs fused vs without the pack, NVFP4 calls accounted for, times -> server.json.
+#                  Needs .device/server-wheels (benchmarks/server-wheels.sh); SERVER_ARGS adds arguments,
+#                  SERVER_TIMEOUT (default 560 s) is its time limit
+#   server-dram    the same server under Nsight Compute: one full-width H3 block's DRAM bytes, comfy and fused, in
+#                  the default memory mode and in classic mode -> server-dram.json (SERVER_TIMEOUT as above)
 #
 #   STEPS="sage full-model" bash benchmarks/gpu_run.sh   (carry .third_party, .whl and .device)
 #
 # The machine has no network: .whl/ holds the wheels it lacks (comfy-kitchen, comfy-aimdo, torchsde, trampoline;
-# ../shared/tools/device-wheels.sh and pip download make them), .device/comfyui.tar.gz a copy of ../shared/comfyui and
-# .device/av_stub an import-time stand-in for PyAV (ComfyUI's video I/O imports it; nothing here decodes video).
+# ../shared/tools/device-wheels.sh and pip download make them), .device/comfyui.tar.gz a copy of ../shared/comfyui,
+# .device/av_stub an import-time stand-in for PyAV (ComfyUI's video I/O imports it; nothing here decodes video) and
+# .device/server-wheels what ComfyUI's server imports besides (benchmarks/server-wheels.sh; the server steps only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out}
@@ -103,6 +112,14 @@ for step in ${STEPS:-tests report}; do
                --what "${AB_WHAT:-this tree against a previous one}" --out "$OUT/ab-previous.json" || rc=$? ;;
     full-model) timeout "$STEP_TIMEOUT" python3 benchmarks/full_model.py --out "$OUT/full-model.json" > "$OUT/full-model.log" 2>&1
              rc=$?; tail -4 "$OUT/full-model.log" ;;
+    server|server-dram)
+             if compgen -G ".device/server-wheels/*.whl" > /dev/null; then
+               python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-server .device/server-wheels/*.whl
+             fi
+             [[ $step == server ]] && what=(--out "$OUT/server.json") || what=(--dram --out "$OUT/server-dram.json")
+             PYTHONPATH=/tmp/site-server${PYTHONPATH:+:$PYTHONPATH} timeout "${SERVER_TIMEOUT:-560}" \
+               python3 benchmarks/real_server.py "${what[@]}" ${SERVER_ARGS:-} > "$OUT/$step.log" 2>&1; rc=$?
+             tail -16 "$OUT/$step.log" ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
   summary+=("$step: exit $rc, $((SECONDS - start)) s")

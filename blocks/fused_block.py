@@ -77,6 +77,11 @@ class FusedBlock(PackPatch):
     def input_refusal(self, call) -> str | None:
         return None
 
+    def handoff_modules(self) -> dict:
+        """name -> module of this block whose weights the previous block reads when it hands over to this one (the
+        next norm's weight, the modules that make its modulation rows)."""
+        return {}
+
     # ---- the stock arm -------------------------------------------------------------------------------------
 
     def _patched_submodules(self):
@@ -164,7 +169,14 @@ class FusedBlock(PackPatch):
             return "the next block is not patched"
         options = call.transformer_options or {}
         if options.get("prefetch_dynamic_vbars", False):
-            return "ComfyUI prefetches the next block's weights (dynamic VRAM)"
+            # Dynamic VRAM: ComfyUI prefetches block i + 1's weights when that block starts. What the hand-over
+            # reads of them, taken here through ComfyUI's own cast, is the same either way; a layer not kept in VRAM
+            # would be copied once more, so the hand-over waits until it is.
+            streamed = [name for name, module in nxt.handoff_modules().items()
+                        if not comfy_adapter.weights_in_vram(module)]
+            if streamed:
+                return (f"dynamic VRAM has not kept the next block's {' and '.join(streamed)} weights in VRAM "
+                        "(ComfyUI's prefetch brings them with that block)")
         if options.get("block_index", self.index) != self.index:
             return "the block is not called from the model's block loop"
         return None

@@ -148,7 +148,7 @@ class FusedNVFP4Linear(PackPatch):
         self.layer = layer
         self.name = name
         self.stock_forward = type(layer).forward.__get__(layer)
-        self._static_alpha: dict[tuple, torch.Tensor] = {}
+        self._static_alpha = None  # (input_scale, scale_2, device, their product): static_scale()
         self._prescale: dict[tuple, torch.Tensor] = {}
         self.calls_fused = 0
         self.stock_reasons: collections.Counter = collections.Counter()  # calls on ComfyUI's path, by reason
@@ -197,18 +197,22 @@ class FusedNVFP4Linear(PackPatch):
             return f"input width {width} != in_features {self.layer.in_features}"
         return None
 
-    def static_scale(self, device: torch.device):
-        scale = getattr(self.layer, "input_scale", None)
-        if scale is None:
+    def static_scale(self, device: torch.device, weight):
+        """The layer's static ``input_scale`` as an fp32 device scalar and the GEMM's output scale, ``input_scale``
+        times the scale_2 of ``weight``: the weight ComfyUI's cast hands out, which under dynamic VRAM with a LoRA
+        is requantized with a scale_2 of its own. The product is kept while the same tensors come back (the cache
+        holds them, so neither can be freed and replaced by another at the same address)."""
+        stored = getattr(self.layer, "input_scale", None)
+        if stored is None:
             return None, None
-        scale = scale.detach().to(device=device, dtype=torch.float32).reshape(1)
-        w2 = self.layer.weight._params.scale
-        key = (scale.data_ptr(), w2.data_ptr(), str(device))
-        alpha = self._static_alpha.get(key)
-        if alpha is None:  # one fp32 product, the same one comfy-kitchen's GEMM wrapper computes per call
-            with allocation_context():
-                alpha = (scale * w2.to(device=device, dtype=torch.float32)).reshape(1)
-            self._static_alpha = {key: alpha}
+        scale = stored.detach().to(device=device, dtype=torch.float32).reshape(1)
+        w2 = weight._params.scale
+        cached = self._static_alpha
+        if cached is not None and cached[0] is stored and cached[1] is w2 and cached[2] == scale.device:
+            return scale, cached[3]
+        with allocation_context():  # one fp32 product, the same one comfy-kitchen's GEMM wrapper computes per call
+            alpha = (scale * w2.to(device=device, dtype=torch.float32)).reshape(1)
+        self._static_alpha = (stored, w2, scale.device, alpha)
         return scale, alpha
 
     def prescale(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
@@ -308,7 +312,7 @@ class FusedNVFP4Linear(PackPatch):
     def pack(self, backend, x2: torch.Tensor, weight, source: LinearSource | None, swiglu: bool,
              prescale: torch.Tensor | None) -> PackedActivation:
         """The fused pack of this layer's input, with the GEMM alpha for ``weight``."""
-        static, static_alpha = self.static_scale(x2.device)
+        static, static_alpha = self.static_scale(x2.device, weight)
         reduced = source.global_scale if (source is not None and static is None) else None
         packed = backend.pack_nvfp4(
             x2, static_scale=static, global_scale=reduced,

@@ -488,12 +488,28 @@ def _parse_ncu(text: str) -> list[list[dict]]:
     return windows
 
 
-def ncu_command(script: pathlib.Path, child_args: list[str]) -> list[str]:
-    """The Nsight Compute command that runs ``script`` with ``child_args``: this report's metrics per kernel, clocks
-    left as they are, and only the kernels between ``cudaProfilerStart`` and ``cudaProfilerStop``."""
+def ncu_prefix(log_file: str | None = None) -> list[str]:
+    """Nsight Compute with this report's metrics per kernel, clocks left as they are, and only the kernels between
+    ``cudaProfilerStart`` and ``cudaProfilerStop``; its CSV on stdout or in ``log_file``. The command follows."""
     ncu = os.environ.get("NCU", "ncu")
     return [ncu, "--csv", "--metrics", NCU_METRICS, "--clock-control", "none", "--profile-from-start", "off",
-            sys.executable, str(script), *child_args]
+            *(["--log-file", log_file] if log_file else [])]
+
+
+def ncu_command(script: pathlib.Path, child_args: list[str]) -> list[str]:
+    """The Nsight Compute command (:func:`ncu_prefix`) that runs ``script`` with ``child_args``."""
+    return [*ncu_prefix(), sys.executable, str(script), *child_args]
+
+
+def ncu_windows(text: str) -> list[list[dict]]:
+    """Nsight Compute's CSV split at the :data:`MARKER` spin kernels: each window's kernels, each with ``bytes``
+    (DRAM read + written) and ``ms``."""
+    windows = _parse_ncu(text)
+    for kernels in windows:
+        for k in kernels:
+            k["bytes"] = k.get("dram__bytes_read.sum", 0.0) + k.get("dram__bytes_write.sum", 0.0)
+            k["ms"] = k.get("gpu__time_duration.sum", 0.0)
+    return windows
 
 
 def run_ncu(cmd: list[str], timeout: float) -> tuple[list[list[dict]] | None, str | None]:
@@ -507,12 +523,7 @@ def run_ncu(cmd: list[str], timeout: float) -> tuple[list[list[dict]] | None, st
         return None, f"ncu did not run: {type(exc).__name__}: {exc}"
     if proc.returncode != 0 or '"ID"' not in proc.stdout:
         return None, f"ncu failed ({proc.returncode}): {(proc.stderr or proc.stdout)[-2000:]}"
-    windows = _parse_ncu(proc.stdout)
-    for kernels in windows:
-        for k in kernels:
-            k["bytes"] = k.get("dram__bytes_read.sum", 0.0) + k.get("dram__bytes_write.sum", 0.0)
-            k["ms"] = k.get("gpu__time_duration.sum", 0.0)
-    return windows, None
+    return ncu_windows(proc.stdout), None
 
 
 def dram_bytes(args) -> dict:
@@ -531,26 +542,31 @@ def dram_bytes(args) -> dict:
     out = {"command": shlex.join(cmd), "tool": "Nsight Compute",
            "scope": "the middle of three warmed blocks, each kernel replayed with flushed caches (ncu default)"}
     for arm, kernels in zip(("comfy", "fused"), windows):
-        names = [k["kernel"] for k in kernels]
-        for k, cat in zip(kernels, label_kernels(names)):
-            k["category"] = cat
-        rest = [k for k in kernels if k["category"] not in NOT_ELEMENTWISE]
-        total = sum(k["bytes"] for k in rest)
-        out[arm] = {
-            "non_gemm_non_attention_dram_bytes": total,
-            "non_gemm_non_attention_dram_gb": round(total / 1e9, 3),
-            "non_gemm_non_attention_launches": len(rest),
-            "non_gemm_non_attention_ncu_ms": round(sum(k["ms"] for k in rest), 4),
-            "gb10_projection_ms_at_232_gbs": round(total / (GB10_READ_BANDWIDTH_GBS * 1e9) * 1e3, 2),
-            "gb10_projection_ms_at_273_gbs": round(total / (GB10_SPEC_BANDWIDTH_GBS * 1e9) * 1e3, 2),
-            "by_category_gb": {c: round(sum(k["bytes"] for k in kernels if k["category"] == c) / 1e9, 4)
-                               for c in sorted({k["category"] for k in kernels})},
-            "kernels": [{"kernel": k["kernel"], "category": k["category"], "gb": round(k["bytes"] / 1e9, 4),
-                         "read_gb": round(k.get("dram__bytes_read.sum", 0.0) / 1e9, 4),
-                         "write_gb": round(k.get("dram__bytes_write.sum", 0.0) / 1e9, 4),
-                         "ms": round(k["ms"], 4)} for k in kernels],
-        }
+        out[arm] = block_dram(kernels)
     return out
+
+
+def block_dram(kernels: list[dict]) -> dict:
+    """One measured block's kernels (an :func:`ncu_windows` window) in the report's layout: the scope's DRAM bytes,
+    launches and ncu time (everything but GEMMs and attention), a GB10 projection, bytes per category and kernel."""
+    for k, cat in zip(kernels, label_kernels([k["kernel"] for k in kernels])):
+        k["category"] = cat
+    rest = [k for k in kernels if k["category"] not in NOT_ELEMENTWISE]
+    total = sum(k["bytes"] for k in rest)
+    return {
+        "non_gemm_non_attention_dram_bytes": total,
+        "non_gemm_non_attention_dram_gb": round(total / 1e9, 3),
+        "non_gemm_non_attention_launches": len(rest),
+        "non_gemm_non_attention_ncu_ms": round(sum(k["ms"] for k in rest), 4),
+        "gb10_projection_ms_at_232_gbs": round(total / (GB10_READ_BANDWIDTH_GBS * 1e9) * 1e3, 2),
+        "gb10_projection_ms_at_273_gbs": round(total / (GB10_SPEC_BANDWIDTH_GBS * 1e9) * 1e3, 2),
+        "by_category_gb": {c: round(sum(k["bytes"] for k in kernels if k["category"] == c) / 1e9, 4)
+                           for c in sorted({k["category"] for k in kernels})},
+        "kernels": [{"kernel": k["kernel"], "category": k["category"], "gb": round(k["bytes"] / 1e9, 4),
+                     "read_gb": round(k.get("dram__bytes_read.sum", 0.0) / 1e9, 4),
+                     "write_gb": round(k.get("dram__bytes_write.sum", 0.0) / 1e9, 4),
+                     "ms": round(k["ms"], 4)} for k in kernels],
+    }
 
 
 # ---- what the JSON may say about this machine ----------------------------------------------------------------

@@ -148,6 +148,9 @@ class FusedDiTBlock(FusedBlock):
         return self.stock_forward(call.x, call.t_emb, call.mod_segments, call.rope_freqs,
                                   transformer_options=call.transformer_options, attention=call.attention)
 
+    def handoff_modules(self) -> dict:
+        return {"adaln_proj": self.block.adaln_proj, "norm1": self.block.norm1}
+
     def input_refusal(self, call: DiTCall) -> str | None:
         x = call.x
         if x.dtype != torch.bfloat16 or x.dim() != 2:
@@ -180,13 +183,16 @@ class FusedDiTBlock(FusedBlock):
         incoming = self.state.take_handoff(self.index, self._handoff_key(call))
         self.counts["fused"] += 1
         self.counts["handoff_in"] += incoming is not None
-        if incoming is not None:
-            rows, activated = incoming.rows, incoming.activated_t_emb
-        else:
-            activated = torch.nn.functional.silu(t_emb) if silu_reusable(block.adaln_proj) else None
-            rows = adaln_rows(block.adaln_proj, t_emb, activated)
+        # Outside ComfyUI's allocation graph (dynamic VRAM records each block's allocations): the token index and
+        # silu(t_emb) outlive this block, and every block allocates alike, whether it was handed its rows or not.
+        with allocation_context():
+            index = self.state.index_cache.index(mod_segments, x.shape[0], x.device)
+            if incoming is not None:
+                rows, activated = incoming.rows, incoming.activated_t_emb
+            else:
+                activated = torch.nn.functional.silu(t_emb) if silu_reusable(block.adaln_proj) else None
+                rows = adaln_rows(block.adaln_proj, t_emb, activated)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = rows
-        index = self.state.index_cache.index(mod_segments, x.shape[0], x.device)
         mod_msa = Modulation(bf16_table(scale_msa), bf16_table(shift_msa), index)
         mod_mlp = Modulation(bf16_table(scale_mlp), bf16_table(shift_mlp), index)
 
