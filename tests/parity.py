@@ -54,7 +54,7 @@ def fused_pack(x: torch.Tensor, **kwargs):
     """ops.pack_nvfp4 into a poisoned buffer (every byte the kernel leaves unwritten shows as a difference)."""
     from h3_fused_nvfp4.kernels import cuda_ops as ops
 
-    k = x.shape[1] // 2 if kwargs.get("swiglu") else x.shape[1]
+    k = x.shape[1] // 2 if kwargs.get("swiglu") and kwargs.get("up") is None else x.shape[1]  # one tensor: gate | up
     out = torch.full((ops.packed_buffer_bytes(x.shape[0], k),), POISON, dtype=torch.uint8, device=x.device)
     return ops.pack_nvfp4(x, out=out, **kwargs)
 
