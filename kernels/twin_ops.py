@@ -66,6 +66,11 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(x, approximate="tanh")
 
 
+def apply_rope1(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """comfy-kitchen's interleaved RoPE as ComfyUI calls it (x [B, S, H, D], freqs [1, S, 1, D / 2, 2, 2])."""
+    return comfy_adapter.apply_rope1(x, freqs)
+
+
 def source_output(x: torch.Tensor, *, swiglu_source: bool = False, modulation: Modulation | None = None,
                   norm: RmsNorm | None = None, prescale: torch.Tensor | None = None,
                   layer_norm_source: LayerNorm | None = None, addcmul_modulation: AddcmulModulation | None = None,
@@ -217,6 +222,6 @@ def rms_norm_rope_(q, k, q_weight, k_weight, eps: float, *, freqs=None, position
         if freqs is not None:
             head_dim = 2 * freqs.shape[1]
             heads = n.view(-1, positions, x.shape[-1] // head_dim, head_dim)
-            n = comfy_adapter.apply_rope1(heads, freqs[:positions].unsqueeze(1).unsqueeze(0)).reshape(x.shape)
+            n = apply_rope1(heads, freqs[:positions].unsqueeze(1).unsqueeze(0)).reshape(x.shape)
         x.copy_(n)
     return q, k

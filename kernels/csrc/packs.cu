@@ -308,14 +308,20 @@ struct LayerNormAffineOf {
 // CTA per SM as the SwiGLU table pack) or from global memory through L1.
 extern __shared__ __align__(16) u16 gelu_shared[];
 
+// NVFP4_PLANT_FAULT (tests of the self-check only) looks up the neighbouring entry: a wrong kernel it must catch.
+#if defined(NVFP4_PLANT_FAULT) && NVFP4_PLANT_FAULT
+#define GELU_ENTRY(v) ((v) ^ 1u)
+#else
+#define GELU_ENTRY(v) (v)
+#endif
 struct GeluShared {
     static __device__ __forceinline__ u32 pair(const SourceParams&, u32 v) {
-        return (u32)gelu_shared[v & 0xFFFFu] | ((u32)gelu_shared[v >> 16] << 16);
+        return (u32)gelu_shared[GELU_ENTRY(v & 0xFFFFu)] | ((u32)gelu_shared[GELU_ENTRY(v >> 16)] << 16);
     }
 };
 struct GeluGlobal {
     static __device__ __forceinline__ u32 pair(const SourceParams& p, u32 v) {
-        return (u32)__ldg(p.gelu_table + (v & 0xFFFFu)) | ((u32)__ldg(p.gelu_table + (v >> 16)) << 16);
+        return (u32)__ldg(p.gelu_table + GELU_ENTRY(v & 0xFFFFu)) | ((u32)__ldg(p.gelu_table + GELU_ENTRY(v >> 16)) << 16);
     }
 };
 

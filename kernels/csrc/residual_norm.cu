@@ -534,8 +534,15 @@ NVFP4_DEVICE Welford torch_welford_row(Welford part[4]) {
         for (int j = 0; j < 4; ++j) part[j] = welford_combine(part[j], shfl_down_welford(part[j], off, 16));
     }
     const Welford even = welford_combine(part[0], part[1]), odd = welford_combine(part[2], part[3]);
+#if defined(NVFP4_PLANT_FAULT) && NVFP4_PLANT_FAULT
+    // tests of the self-check only: the warps combined in another order, (W0 + W1) + (W2 + W3), a wrong kernel it
+    // must catch
+    const Welford total = welford_combine(welford_combine(even, shfl_down_welford(even, 16, 32)),
+                                          welford_combine(odd, shfl_down_welford(odd, 16, 32)));
+#else
     const Welford pair = welford_combine(even, odd);  // lane 0: W0 + W2, lane 16: W1 + W3
     const Welford total = welford_combine(pair, shfl_down_welford(pair, 16, 32));
+#endif
     return Welford{__shfl_sync(0xFFFFFFFFu, total.mean, 0), __shfl_sync(0xFFFFFFFFu, total.sigma2, 0), total.count};
 }
 
