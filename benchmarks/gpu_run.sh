@@ -12,6 +12,9 @@
 #   bench-pack     benchmarks/bench_pack.py                        -> pack.json
 #   bench-pack-fp16 benchmarks/bench_pack.py --shapes wan --dtype fp16 (Wan 2.2 14B's inputs) -> pack-fp16.json
 #   bench-rope     benchmarks/bench_rope.py                        -> rope.json
+#   bench-wan      benchmarks/bench_wan_kernels.py: each step of Wan 2.2 14B's block in fp16 at 832x480, 81 frames,
+#                  ComfyUI's ops vs the fused kernels (equal bytes, times, bandwidth) -> wan-kernels.json; the 5B
+#                  with WAN_MODEL=wan22_5b
 #   trade          benchmarks/calibration_trade.py                 -> calibration-trade.json
 #   sage           builds SageAttention 2 from .third_party/SageAttention (benchmarks/build_sageattention.sh, local
 #                  arch only, into /tmp/sageattention, skipped when it already imports), puts it on PYTHONPATH for
@@ -67,6 +70,8 @@ for step in ${STEPS:-tests report}; do
              --out "$OUT/pack-fp16.json" > "$OUT/pack-fp16.log" 2>&1; rc=$?; tail -8 "$OUT/pack-fp16.log" ;;
     bench-rope) timeout "$STEP_TIMEOUT" python3 benchmarks/bench_rope.py --out "$OUT/rope.json" > "$OUT/rope.log" 2>&1
              rc=$?; tail -3 "$OUT/rope.log" ;;
+    bench-wan) timeout "$STEP_TIMEOUT" python3 benchmarks/bench_wan_kernels.py --model "${WAN_MODEL:-wan22_14b}" \
+             --out "$OUT/wan-kernels.json" > "$OUT/wan-kernels.log" 2>&1; rc=$?; tail -10 "$OUT/wan-kernels.log" ;;
     trade) timeout "$STEP_TIMEOUT" python3 benchmarks/calibration_trade.py --out "$OUT/calibration-trade.json" \
              > "$OUT/trade.log" 2>&1; rc=$?; tail -12 "$OUT/trade.log" ;;
     sage) OUT="$OUT" timeout "$STEP_TIMEOUT" bash benchmarks/build_sageattention.sh 2>&1 | tee "$OUT/sage.log"
