@@ -71,3 +71,18 @@ def test_planted_wrong_op_fails_its_probe(probe, nvfp4_compute, monkeypatch):
     results = verdicts.run_probes(twin_ops, CPU, (only,))
     for n in names:
         assert results[n].ok is False and "differs at index" in results[n].detail, (n, results[n].detail)
+
+
+@pytest.mark.parametrize("op", ["layer_norm_support", "layer_norm_statistics", "residual_layer_norm_support",
+                                "residual_layer_norm_", "rms_norm_rope_support", "rms_norm_rope_", "pack_support",
+                                "pack_nvfp4"])
+def test_both_implementations_take_the_protocols_arguments(op):
+    """The CUDA kernels' wrappers and their twin take the arguments kernels/backend.py FusedOps declares for the ops
+    of the LayerNorm block (the block calls either through that protocol)."""
+    import inspect
+
+    from h3_fused_nvfp4.kernels import backend, cuda_ops
+
+    declared = [p for p in inspect.signature(getattr(backend.FusedOps, op)).parameters if p != "self"]
+    for implementation in (cuda_ops, twin_ops):
+        assert list(inspect.signature(getattr(implementation, op)).parameters) == declared, (implementation, op)
