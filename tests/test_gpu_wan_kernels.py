@@ -39,10 +39,10 @@ def _probes():
 
 def wan_rows(rows: int, cols: int, dtype, seed: int, *, finite: bool = True, big: float | None = None):
     """Random rows (per-row offsets and magnitudes over several binades) whose first rows are the probes' hard cases."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    mag = torch.exp2(torch.randint(-6, 6, (rows, 1), generator=gen).float())
-    x = torch.randn((rows, cols), generator=gen) * mag + torch.randn((rows, 1), generator=gen) * 4
-    x = x.to(dtype).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(seed)  # drawn on the GPU: 32,760 x 13,824 values
+    mag = torch.exp2(torch.randint(-6, 6, (rows, 1), generator=gen, device="cuda").float())
+    x = torch.randn((rows, cols), generator=gen, device="cuda") * mag
+    x = (x + torch.randn((rows, 1), generator=gen, device="cuda") * 4).to(dtype)
     hard = _probes().probe_rows("cuda", cols, dtype, seed, finite=finite, big=big)[:rows]
     x[:hard.shape[0]] = hard
     return x
@@ -187,8 +187,8 @@ def test_residual_layer_norm(dtype, residual, amax, rows, cols, in_place):
     from h3_fused_nvfp4.layout import LayerNorm
 
     x = wan_rows(rows, cols, dtype, seed, big=1.5e4 if dtype == F16 else None)
-    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
-    y = (torch.randn((rows, cols), generator=gen) * 2).to(dtype).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    y = (torch.randn((rows, cols), generator=gen, device="cuda") * 2).to(dtype)
     tables = modulation_tables(rows, cols, dtype, seed)
     gate, index = tables.e[2], tables.mod_index
     expected = torch.addcmul(x, y, gate[index.long()]) if residual == "gated" else x + y
