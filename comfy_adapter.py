@@ -87,6 +87,22 @@ def eager_swiglu(y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate).mul_(up)
 
 
+def eager_gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """A down-projection's input the way ComfyUI's eager activation computes GELU (tanh) of it (a new tensor)."""
+    ops = comfy_ops()
+    if ops is not None and hasattr(ops, "_eager_input_act"):
+        return ops._eager_input_act(x, "gelu_tanh")
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def apply_rope1(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's interleaved RoPE of one tensor (``comfy.ldm.flux.math.apply_rope1``: comfy-kitchen's op outside
+    training); ``x`` ``[B, S, H, D]``, ``freqs`` ``[1, S, 1, D / 2, 2, 2]``."""
+    import comfy.ldm.flux.math
+
+    return comfy.ldm.flux.math.apply_rope1(x, freqs)
+
+
 def swiglu_reference():
     """ComfyUI's in-place SwiGLU helper, or None where this ComfyUI has none."""
     ops = comfy_ops()
@@ -145,6 +161,22 @@ def weights_in_vram(module) -> bool:
     return all(getattr(m, "_v_signature", None) is not None for m in module.modules() if hasattr(m, "_v"))
 
 
+@contextlib.contextmanager
+def layer_norm_weights(norm, x: torch.Tensor):
+    """(weight, bias) of a ComfyUI LayerNorm the way its forward obtains them: None for a norm without affine
+    parameters, else cast to the input's device and dtype (offloaded or dynamic-VRAM weights included)."""
+    if getattr(norm, "weight", None) is None:
+        yield None, None
+        return
+    ops = comfy_ops()
+    context = getattr(ops, "CastBiasWeightContext", None) if getattr(norm, "comfy_cast_weights", False) else None
+    if context is None:
+        yield norm.weight.to(device=x.device), (norm.bias.to(device=x.device) if norm.bias is not None else None)
+    else:
+        with context(norm, x, offloadable=True) as (weight, bias):
+            yield weight, bias
+
+
 def cast_to(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
     try:
         import comfy.model_management
@@ -188,6 +220,13 @@ def lumina_model_module():
     import comfy.ldm.lumina.model
 
     return comfy.ldm.lumina.model
+
+
+def wan_model_module():
+    """``comfy.ldm.wan.model``: ComfyUI's Wan (its blocks, ``repeat_e``, the rope embedder)."""
+    import comfy.ldm.wan.model
+
+    return comfy.ldm.wan.model
 
 
 def model_detection():

@@ -92,14 +92,45 @@ class RmsNorm:
     rstd: torch.Tensor
 
 
-# Activation dtypes of the packs: the plain and pre_quant_scale sources read either; the block sources (modulation,
-# RMSNorm, SwiGLU) read bf16 only.
+@dataclass(frozen=True)
+class LayerNorm:
+    """torch's ``layer_norm`` folded into the kernels: ``n = dtype(rstd[r] * (x - mean[r]))``, with affine parameters
+    ``dtype(fma(weight, rstd[r] * (x - mean[r]), bias))`` (torch's CUDA arithmetic: kernels/csrc/residual_norm.cu).
+    ``weight``, ``bias``: both None (no affine parameters) or both ``[K]`` in the activation's dtype; ``eps``: the
+    module's eps; ``mean``, ``rstd``: fp32 ``[M]``, written by the LayerNorm statistics earlier on the stream and read
+    by the pack."""
+
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    eps: float
+    mean: torch.Tensor
+    rstd: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AddcmulModulation:
+    """ComfyUI's modulation ``torch.addcmul(shift, n, 1 + scale)`` of a normalized row (Wan's block), applied on the
+    fly: ``h = dtype(shift[m] + n * dtype(1 + scale[m]))``, each op in fp32 opmath with one rounding to the dtype.
+
+    ``scale``/``shift``: ``[rows, K]`` tables in the activation's dtype (one row stride for both, unit column stride);
+    ``mod_index``: int32 ``[M]`` on the activation's device, the table row of every token.
+    """
+
+    scale: torch.Tensor
+    shift: torch.Tensor
+    mod_index: torch.Tensor
+
+
+# Activation dtypes of the packs: the plain and pre_quant_scale sources read either, and so do the sources of a
+# LayerNorm block (LayerNorm, addcmul modulation, GELU); the RMSNorm block sources (modulation, RMSNorm, SwiGLU)
+# read bf16 only.
 PACK_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def source_refusal(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulation | None = None,
                    norm: RmsNorm | None = None, prescale: torch.Tensor | None = None,
-                   up: torch.Tensor | None = None) -> str | None:
+                   up: torch.Tensor | None = None, layer_norm: LayerNorm | None = None,
+                   addcmul_modulation: AddcmulModulation | None = None, gelu: bool = False) -> str | None:
     """Why no implementation of the fused pack (kernels/cuda_ops.py, kernels/twin_ops.py) takes this source: the
     dtype, shape and combination rules both share (None: these hold; each adds its own, such as alignment).
 
@@ -107,6 +138,11 @@ def source_refusal(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulat
     source reads ``[M, 2K]`` rows, gate half first."""
     if x.dtype not in PACK_DTYPE_NAMES:
         return f"the activation is {x.dtype}, the fused pack takes bfloat16 or float16"
+    if layer_norm is not None or addcmul_modulation is not None or gelu:
+        if swiglu or modulation is not None or norm is not None or prescale is not None or up is not None:
+            return ("a LayerNorm / addcmul modulation / GELU source is not combined with the RMSNorm block or "
+                    "prescale sources")
+        return layer_norm_source_refusal(x, layer_norm, addcmul_modulation, gelu)
     if x.dtype != torch.bfloat16 and (swiglu or modulation is not None or norm is not None):
         return (f"the activation is {x.dtype}: the fused SwiGLU / RMSNorm / modulation sources take bfloat16 (only "
                 "plain and pre_quant_scale packs take float16)")
@@ -128,6 +164,43 @@ def source_refusal(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulat
     if prescale is not None and (prescale.dtype != x.dtype or prescale.shape != (k,) or prescale.device != x.device):
         return (f"the pre_quant_scale table must be a {PACK_DTYPE_NAMES[x.dtype]} [{k}] tensor on {x.device} (the "
                 "activation's dtype)")
+    return None
+
+
+def layer_norm_source_refusal(x: torch.Tensor, layer_norm: LayerNorm | None,
+                               modulation: AddcmulModulation | None, gelu: bool) -> str | None:
+    """The rules of the LayerNorm block's sources (:func:`source_refusal`): a LayerNorm followed by the addcmul
+    modulation, a LayerNorm with its affine parameters, or GELU; every table in the activation's dtype."""
+    if x.dim() != 2:
+        return f"the activation must be 2-D, got {x.dim()}-D"
+    if x.shape[1] % 16:
+        return f"the feature width {x.shape[1]} is not a multiple of 16"
+    if gelu:
+        return None if layer_norm is None and modulation is None else "a GELU source reads plain rows"
+    if layer_norm is None:
+        return "the addcmul modulation is applied to a folded LayerNorm (a LayerNorm source)"
+    k, name = x.shape[1], PACK_DTYPE_NAMES[x.dtype]
+    affine = layer_norm.weight is not None or layer_norm.bias is not None
+    if affine:
+        if modulation is not None:
+            return "a LayerNorm source has affine parameters or is modulated, not both"
+        for what, t in (("weight", layer_norm.weight), ("bias", layer_norm.bias)):
+            if t is None or t.dtype != x.dtype or tuple(t.shape) != (k,) or t.device != x.device:
+                return f"the LayerNorm {what} must be a {name} [{k}] tensor on {x.device} (the activation's dtype)"
+    elif modulation is None:
+        return "a LayerNorm without affine parameters is folded only in front of the addcmul modulation"
+    if modulation is not None:
+        for what, t in (("scale", modulation.scale), ("shift", modulation.shift)):
+            if t.dtype != x.dtype or t.dim() != 2 or t.shape[1] != k or t.device != x.device:
+                return f"the modulation {what} table must be {name} [rows, {k}] on {x.device} (the activation's dtype)"
+        if modulation.scale.stride() != modulation.shift.stride():
+            return "the modulation scale and shift tables must share one row stride"
+        idx = modulation.mod_index
+        if idx.dtype != torch.int32 or tuple(idx.shape) != (x.shape[0],) or idx.device != x.device:
+            return "the modulation index must be int32 [M] on the activation's device"
+    for what, t in (("mean", layer_norm.mean), ("rstd", layer_norm.rstd)):
+        if t.dtype != torch.float32 or tuple(t.shape) != (x.shape[0],) or t.device != x.device:
+            return f"the LayerNorm {what} must be fp32 [M] on the activation's device"
     return None
 
 

@@ -14,6 +14,9 @@
 #   bench-rope     benchmarks/bench_rope.py                        -> rope.json
 #   bench-zimage   benchmarks/bench_zimage_ops.py --ncu: Z-Image's fused ops vs ComfyUI's op sequences at 1024x1024,
 #                  times and DRAM bytes, comfy-kitchen's rms_rope on its q / k views -> zimage-ops.json
+#   bench-wan      benchmarks/bench_wan_kernels.py: each step of Wan 2.2 14B's block in fp16 at 832x480, 81 frames,
+#                  ComfyUI's ops vs the fused kernels (equal bytes, times, bandwidth) -> wan-kernels.json; the 5B
+#                  with WAN_MODEL=wan22_5b
 #   trade          benchmarks/calibration_trade.py                 -> calibration-trade.json
 #   sage           builds SageAttention 2 from .third_party/SageAttention (benchmarks/build_sageattention.sh, local
 #                  arch only, into /tmp/sageattention, skipped when it already imports), puts it on PYTHONPATH for
@@ -69,7 +72,7 @@ for step in ${STEPS:-tests report}; do
              > "$OUT/tests.log" 2>&1; rc=$?; tail -3 "$OUT/tests.log" ;;
     emulated) H3_FUSED_NVFP4_EMULATE_BLACKWELL=1 H3_FUSED_NVFP4_CACHE=/tmp/h3_emulated_cache timeout "$STEP_TIMEOUT" \
              python3 -m pytest tests/test_gpu_pack_parity.py tests/test_gpu_block.py tests/test_gpu_selfcheck.py \
-             tests/test_gpu_rms_rope.py tests/test_gpu_zimage_kernels.py -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} \
+             tests/test_gpu_rms_rope.py tests/test_gpu_zimage_kernels.py tests/test_gpu_wan_kernels.py -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} \
              > "$OUT/emulated.log" 2>&1; rc=$?
              tail -3 "$OUT/emulated.log" ;;
     report) timeout "$STEP_TIMEOUT" python3 report.py --dram --ncu-timeout 300 --out "$OUT/report.json" > "$OUT/report.log" 2>&1; rc=$?
@@ -84,6 +87,8 @@ for step in ${STEPS:-tests report}; do
              rc=$?; tail -3 "$OUT/rope.log" ;;
     bench-zimage) timeout "$STEP_TIMEOUT" python3 benchmarks/bench_zimage_ops.py --ncu --out "$OUT/zimage-ops.json" \
              > "$OUT/zimage-ops.log" 2>&1; rc=$?; tail -8 "$OUT/zimage-ops.log" ;;
+    bench-wan) timeout "$STEP_TIMEOUT" python3 benchmarks/bench_wan_kernels.py --model "${WAN_MODEL:-wan22_14b}" \
+             --out "$OUT/wan-kernels.json" > "$OUT/wan-kernels.log" 2>&1; rc=$?; tail -10 "$OUT/wan-kernels.log" ;;
     trade) timeout "$STEP_TIMEOUT" python3 benchmarks/calibration_trade.py --out "$OUT/calibration-trade.json" \
              > "$OUT/trade.log" 2>&1; rc=$?; tail -12 "$OUT/trade.log" ;;
     sage) OUT="$OUT" timeout "$STEP_TIMEOUT" bash benchmarks/build_sageattention.sh 2>&1 | tee "$OUT/sage.log"

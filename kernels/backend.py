@@ -13,20 +13,22 @@ from typing import Protocol
 
 import torch
 
-from ..layout import Modulation, PackedActivation, RmsNorm
+from ..layout import AddcmulModulation, LayerNorm, Modulation, PackedActivation, RmsNorm
 from . import cuda_ops, runtime, twin_ops
 
 
 class FusedOps(Protocol):
     def pack_support(self, x: torch.Tensor, *, swiglu: bool = False, modulation: Modulation | None = None,
                      norm: RmsNorm | None = None, prescale: torch.Tensor | None = None,
-                     up: torch.Tensor | None = None) -> str | None: ...
+                     up: torch.Tensor | None = None, layer_norm: LayerNorm | None = None,
+                     addcmul_modulation: AddcmulModulation | None = None, gelu: bool = False) -> str | None: ...
 
     def pack_nvfp4(self, x: torch.Tensor, *, static_scale: torch.Tensor | None = None,
                    global_scale: torch.Tensor | None = None, weight_scale_2: torch.Tensor | None = None,
                    swiglu: bool = False, modulation: Modulation | None = None, norm: RmsNorm | None = None,
                    prescale: torch.Tensor | None = None, up: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None) -> PackedActivation: ...
+                   out: torch.Tensor | None = None, layer_norm: LayerNorm | None = None,
+                   addcmul_modulation: AddcmulModulation | None = None, gelu: bool = False) -> PackedActivation: ...
 
     def rms_norm_support(self, x: torch.Tensor, weight: torch.Tensor) -> str | None: ...
 
@@ -52,6 +54,33 @@ class FusedOps(Protocol):
     def rms_rope_support(self, q, k, freqs, q_weight, k_weight, rot_dim) -> str | None: ...
 
     def rms_rope_split_half_(self, q, k, freqs, q_weight, k_weight, epsilon: float, rot_dim: int) -> None: ...
+
+    # the row ops of a LayerNorm block (Wan), bf16 and fp16
+    def layer_norm_support(self, x: torch.Tensor, norm: LayerNorm, *, modulation: AddcmulModulation | None = None,
+                           global_scale_out: torch.Tensor | None = None) -> str | None: ...
+
+    def layer_norm_statistics(self, x: torch.Tensor, norm: LayerNorm, *,
+                              modulation: AddcmulModulation | None = None,
+                              global_scale_out: torch.Tensor | None = None) -> None: ...
+
+    def residual_layer_norm_support(self, x: torch.Tensor, other: torch.Tensor, next_norm: LayerNorm, *,
+                                    gate: torch.Tensor | None = None, mod_index: torch.Tensor | None = None,
+                                    out: torch.Tensor | None = None,
+                                    next_modulation: AddcmulModulation | None = None,
+                                    global_scale_out: torch.Tensor | None = None) -> str | None: ...
+
+    def residual_layer_norm_(self, x: torch.Tensor, other: torch.Tensor, next_norm: LayerNorm, *,
+                             gate: torch.Tensor | None = None, mod_index: torch.Tensor | None = None,
+                             out: torch.Tensor | None = None, next_modulation: AddcmulModulation | None = None,
+                             global_scale_out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def rms_norm_rope_support(self, q: torch.Tensor, k: torch.Tensor | None, q_weight: torch.Tensor,
+                              k_weight: torch.Tensor | None, *, freqs: torch.Tensor | None = None,
+                              positions: int | None = None) -> str | None: ...
+
+    def rms_norm_rope_(self, q: torch.Tensor, k: torch.Tensor | None, q_weight: torch.Tensor,
+                       k_weight: torch.Tensor | None, eps: float, *, freqs: torch.Tensor | None = None,
+                       positions: int | None = None): ...
 
 
 KernelBuildError = runtime.KernelBuildError

@@ -15,12 +15,18 @@ Public functions (all bit-identical to ComfyUI's stock ops followed by comfy-kit
   in place with ComfyUI's roundings (Z-Image's sandwich norm), the norm of ``other`` computed in the same pass,
   optionally followed by :func:`norm_statistics` of the new x.
 * :func:`rms_rope_split_half_` - comfy-kitchen's per-head RMSNorm + split-half RoPE for H3's q/k views, in place.
+* The row kernels of a LayerNorm block (Wan), bf16 and fp16: :func:`layer_norm_statistics` (torch's LayerNorm
+  mean and rstd, optionally with the next projection's global scale), :func:`residual_layer_norm_` (ComfyUI's gated
+  or plain residual, then those statistics of the new rows), :func:`rms_norm_rope_` (torch's RMSNorm over the full
+  width, then comfy-kitchen's interleaved RoPE, in place); their packs are sources of :func:`pack_nvfp4`
+  (``layer_norm`` with ``addcmul_modulation`` or affine parameters, ``gelu``).
 * ``*_support`` - ``None`` if a kernel can take these tensors, else the reason (callers fall back to ComfyUI's path
   with that reason instead of raising in the user's graph).
 
 Layouts: layout.py. Launch shapes: :data:`LAUNCH`, the one source of these values (passed to NVRTC as ``-D``).
 Kernels: kernels/csrc/packs.cu (packs and their global scales), residual_norm.cu (residuals, norm statistics,
-modulation bounds), rms_rope.cu (RMSNorm + RoPE), built and cached by kernels/runtime.py.
+modulation bounds, the LayerNorm block's row kernels), rms_rope.cu (RMSNorm + RoPE), built and cached by
+kernels/runtime.py.
 """
 
 from __future__ import annotations
@@ -31,7 +37,16 @@ import threading
 
 import torch
 
-from ..layout import Modulation, PackedActivation, RmsNorm, packed_buffer_layout, roundup, source_refusal
+from ..layout import (
+    AddcmulModulation,
+    LayerNorm,
+    Modulation,
+    PackedActivation,
+    RmsNorm,
+    packed_buffer_layout,
+    roundup,
+    source_refusal,
+)
 from ..layout import rows_readable_in_place as _aligned  # what every kernel reads: 16-byte rows, unit column stride
 from . import runtime
 
@@ -109,19 +124,30 @@ class _ColumnTable(ctypes.Union):
     _fields_ = [("norm_weight", ctypes.c_void_p), ("prescale", ctypes.c_void_p)]
 
 
-class _UpValues(ctypes.Union):
-    """packs.cu SourceParams' SwiGLU up values: an offset inside the row (UpInRow) or a second tensor (UpBeside)."""
-    _fields_ = [("up_offset", ctypes.c_int64), ("up", ctypes.c_void_p)]
+class _RowOffset(ctypes.Union):
+    """packs.cu SourceParams: SwiGLU's up values (an offset inside the row: UpInRow; a second tensor: UpBeside) or a
+    folded LayerNorm's per-row mean."""
+    _fields_ = [("up_offset", ctypes.c_int64), ("up", ctypes.c_void_p), ("mean", ctypes.c_void_p)]
+
+
+class _ShiftTable(ctypes.Union):
+    """packs.cu SourceParams: the adaLN shift rows or a folded LayerNorm's bias."""
+    _fields_ = [("mod_shift", ctypes.c_void_p), ("norm_bias", ctypes.c_void_p)]
+
+
+class _ActivationTable(ctypes.Union):
+    """packs.cu SourceParams: torch's silu (SwiGLU) or gelu (GELU) of every 16-bit pattern."""
+    _fields_ = [("silu_table", ctypes.c_void_p), ("gelu_table", ctypes.c_void_p)]
 
 
 class _SourceParams(ctypes.Structure):
     _fields_ = [
         ("x", ctypes.c_void_p), ("x_row_stride", ctypes.c_int64), ("rows", ctypes.c_int64),
-        ("cols", ctypes.c_int64), ("up_values", _UpValues), ("mod_scale", ctypes.c_void_p),
-        ("mod_shift", ctypes.c_void_p), ("mod_row_stride", ctypes.c_int64), ("mod_index", ctypes.c_void_p),
-        ("silu_table", ctypes.c_void_p), ("rstd", ctypes.c_void_p), ("column_table", _ColumnTable),
+        ("cols", ctypes.c_int64), ("row_offset", _RowOffset), ("mod_scale", ctypes.c_void_p),
+        ("shift_table", _ShiftTable), ("mod_row_stride", ctypes.c_int64), ("mod_index", ctypes.c_void_p),
+        ("activation_table", _ActivationTable), ("rstd", ctypes.c_void_p), ("column_table", _ColumnTable),
     ]
-    _anonymous_ = ("up_values", "column_table")
+    _anonymous_ = ("row_offset", "shift_table", "activation_table", "column_table")
 
 
 class _PackParams(ctypes.Structure):
@@ -207,13 +233,19 @@ KERNEL_SUFFIX = {torch.bfloat16: "", torch.float16: "_f16"}
 
 def pack_support(x: torch.Tensor, *, swiglu: bool = False, modulation: Modulation | None = None,
                  norm: RmsNorm | None = None, prescale: torch.Tensor | None = None,
-                 up: torch.Tensor | None = None) -> str | None:
+                 up: torch.Tensor | None = None, layer_norm: LayerNorm | None = None,
+                 addcmul_modulation: AddcmulModulation | None = None, gelu: bool = False) -> str | None:
     """``None`` if the fused pack accepts these inputs, otherwise a human-readable reason."""
     if not x.is_cuda:
         return "the activation is not on a CUDA device"
-    reason = source_refusal(x, swiglu=swiglu, modulation=modulation, norm=norm, prescale=prescale, up=up)
+    reason = source_refusal(x, swiglu=swiglu, modulation=modulation, norm=norm, prescale=prescale, up=up,
+                            layer_norm=layer_norm, addcmul_modulation=addcmul_modulation, gelu=gelu)
     if reason is not None:
         return reason
+    if layer_norm is not None:
+        reason = _layer_norm_tables_refusal(layer_norm, addcmul_modulation)
+        if reason is not None:
+            return reason
     k = x.shape[1] // 2 if swiglu and up is None else x.shape[1]
     if not _aligned(x):
         return "the activation rows are not 16-byte aligned with unit column stride"
@@ -358,6 +390,40 @@ def _swiglu_silu(mod) -> str:
     return SWIGLU_SILU
 
 
+# ---- GELU table: torch's own GELU (tanh approximation) of every 16-bit pattern ---------------------------------
+
+GELU_TABLE_SHARED_BYTES = 65536 * 2
+_gelu_tables: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+
+def gelu_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``[65536]`` of ``dtype``: entry ``b`` is ``torch.nn.functional.gelu(approximate="tanh")`` of the ``dtype``
+    value with bit pattern ``b``.
+
+    Built once per device and dtype by torch itself, so a lookup returns exactly what ComfyUI's eager GELU of a
+    down-projection's input computes (stream-ordered, no host sync)."""
+    key = (device.index, dtype)
+    table = _gelu_tables.get(key)
+    if table is None:
+        bits = torch.arange(65536, dtype=torch.int32, device=device)
+        values = torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16).view(dtype)
+        table = _gelu_tables.setdefault(key, torch.nn.functional.gelu(values, approximate="tanh").contiguous())
+    return table
+
+
+# How the GELU pack reads the table: None picks shared memory where 128 KB fit (sm_90, sm_100, sm_103, sm_110) and
+# global memory through L1 elsewhere (sm_120 / sm_121, and the Blackwell emulation build, which takes the sm_120
+# path). Tests force "table" and "global".
+GELU_LOOKUP: str | None = None
+
+
+def _gelu_lookup(mod) -> str:
+    fits = mod.max_shared_per_block >= GELU_TABLE_SHARED_BYTES and not emulating_blackwell()
+    if GELU_LOOKUP is None or (GELU_LOOKUP == "table" and not fits):
+        return "table" if fits else "global"
+    return GELU_LOOKUP
+
+
 # ---- public API -------------------------------------------------------------------------------------------
 
 def packed_buffer_bytes(rows: int, k: int) -> int:
@@ -366,12 +432,21 @@ def packed_buffer_bytes(rows: int, k: int) -> int:
 
 
 def _source(x: torch.Tensor, k: int, swiglu: bool, modulation: Modulation | None, norm: RmsNorm | None,
-            prescale: torch.Tensor | None = None, up: torch.Tensor | None = None):
+            prescale: torch.Tensor | None = None, up: torch.Tensor | None = None,
+            layer_norm: LayerNorm | None = None, addcmul_modulation: AddcmulModulation | None = None):
     src = _SourceParams(x.data_ptr(), x.stride(0), x.shape[0], k)
     if up is not None:
         src.up = up.data_ptr()
     else:
         src.up_offset = k if swiglu else 0
+    if layer_norm is not None:
+        src.mean, src.rstd = layer_norm.mean.data_ptr(), layer_norm.rstd.data_ptr()
+        if layer_norm.weight is not None:
+            src.norm_weight, src.norm_bias = layer_norm.weight.data_ptr(), layer_norm.bias.data_ptr()
+    if addcmul_modulation is not None:
+        src.mod_scale, src.mod_shift = addcmul_modulation.scale.data_ptr(), addcmul_modulation.shift.data_ptr()
+        src.mod_row_stride = addcmul_modulation.scale.stride(0)
+        src.mod_index = addcmul_modulation.mod_index.data_ptr()
     if prescale is not None:
         src.prescale = prescale.data_ptr()
     if modulation is not None:
@@ -386,7 +461,12 @@ def _source(x: torch.Tensor, k: int, swiglu: bool, modulation: Modulation | None
 
 
 def _variant(swiglu: bool, modulation: Modulation | None, norm: RmsNorm | None,
-             prescale: torch.Tensor | None = None, up: torch.Tensor | None = None) -> str:
+             prescale: torch.Tensor | None = None, up: torch.Tensor | None = None,
+             layer_norm: LayerNorm | None = None, gelu: bool = False) -> str:
+    if gelu:
+        return "gelu"
+    if layer_norm is not None:
+        return "layer_norm_affine" if layer_norm.weight is not None else "layer_norm_modulate"
     if swiglu:
         return "swiglu_pair" if up is not None else "swiglu"
     if prescale is not None:
@@ -408,6 +488,9 @@ def pack_nvfp4(
     prescale: torch.Tensor | None = None,
     up: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    layer_norm: LayerNorm | None = None,
+    addcmul_modulation: AddcmulModulation | None = None,
+    gelu: bool = False,
 ) -> PackedActivation:
     """NVFP4-pack ``h = source(x)`` exactly like comfy-kitchen's CUDA ``quantize_nvfp4`` after ComfyUI's ops.
 
@@ -429,17 +512,21 @@ def pack_nvfp4(
         prescale: ``[K]`` contiguous, in x's dtype: ``h = x * prescale`` (torch's bf16 or fp16 multiply), a Linear's
             ``pre_quant_scale`` cast to the activation dtype as ComfyUI's NVFP4 Linear casts it. Plain rows only.
         out: optional contiguous uint8 buffer of :func:`packed_buffer_bytes` bytes to write into.
+        layer_norm / addcmul_modulation / gelu: the sources of a LayerNorm block, bf16 or fp16 (module docstring):
+            torch's LayerNorm from the statistics of :func:`layer_norm_statistics` / :func:`residual_layer_norm_`
+            followed by ComfyUI's addcmul modulation, or with its affine parameters; GELU (tanh) of the rows.
 
     One launch with a static or precomputed scale, two otherwise; no host sync, one allocation.
     """
-    reason = pack_support(x, swiglu=swiglu, modulation=modulation, norm=norm, prescale=prescale, up=up)
+    reason = pack_support(x, swiglu=swiglu, modulation=modulation, norm=norm, prescale=prescale, up=up,
+                          layer_norm=layer_norm, addcmul_modulation=addcmul_modulation, gelu=gelu)
     if reason is not None:
         raise ValueError(reason)
     if static_scale is not None and global_scale is not None:
         raise ValueError("pass a static or a precomputed global scale, not both")
     if global_scale is None and static_scale is None and norm is not None:
         raise ValueError("a normalized source takes its global scale from norm_statistics")
-    variant = _variant(swiglu, modulation, norm, prescale, up)
+    variant = _variant(swiglu, modulation, norm, prescale, up, layer_norm, gelu)
     suffix = KERNEL_SUFFIX[x.dtype]  # the fp16 kernels: same launch shapes as their bf16 twins
     rows = x.shape[0]
     k = x.shape[1] // 2 if swiglu and up is None else x.shape[1]
@@ -457,7 +544,9 @@ def pack_nvfp4(
 
     mod = module_for(x.device)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    src = _source(x, k, swiglu, modulation, norm, prescale, up)
+    src = _source(x, k, swiglu, modulation, norm, prescale, up, layer_norm, addcmul_modulation)
+    if gelu:
+        src.gelu_table = gelu_table(x.device, x.dtype).data_ptr()
     if static_scale is not None:
         global_scale = static_scale.reshape(1)
     elif global_scale is not None:
@@ -474,8 +563,11 @@ def pack_nvfp4(
         global_scale = scalars[0:1]
     want_alpha = weight_scale_2 is not None and static_scale is None
     kernel, threads, shared = f"nvfp4_pack_{variant}{suffix}", LAUNCH["PACK_THREADS"], 0
+    if gelu and _gelu_lookup(mod) == "table":  # the whole table in shared memory: one CTA per SM, persistent
+        variant, kernel = "gelu_table", f"nvfp4_pack_gelu_table{suffix}"
+        threads, shared = LAUNCH["SILU_TABLE_THREADS"], GELU_TABLE_SHARED_BYTES
     units = _pack_units(variant, rows128, groups)
-    grid = max(1, min(-(-units // (threads // 32)), mod.sm_count * 64))  # a warp per unit
+    grid = max(1, min(-(-units // (threads // 32)), mod.sm_count * (1 if variant == "gelu_table" else 64)))  # warp/unit
     silu = _swiglu_silu(mod) if swiglu else None
     if silu == "window":  # persistent: each CTA copies the window once
         src.silu_table = silu_window_table(x.device).data_ptr()
@@ -493,10 +585,11 @@ def pack_nvfp4(
 
 
 def _pack_units(variant: str, rows128: int, groups: int) -> int:
-    """Warp units of work of a pack (packs.cu pack_body): one row of a SwiGLU source, two rows of the modulated
-    and prescaled ones; for the plain one, single steps (PLAIN_ITEMS blocks a lane, 16 lanes a row) of two rows where
-    the rows split into whole steps (PlainSource::kSegmentSteps), else whole pairs."""
-    if variant.startswith("swiglu"):
+    """Warp units of work of a pack (packs.cu pack_body): one row of a SwiGLU source or of the shared-table GELU
+    pack, two rows of the modulated, normalized, prescaled and global-table GELU ones; for the plain one, single steps
+    (PLAIN_ITEMS blocks a lane, 16 lanes a row) of two rows where the rows split into whole steps
+    (PlainSource::kSegmentSteps), else whole pairs."""
+    if variant.startswith("swiglu") or variant == "gelu_table":
         return rows128
     seg_lanes = 16 * LAUNCH["PLAIN_ITEMS"] if variant == "plain" else 0
     lanes_per_row = 4 * groups
@@ -707,4 +800,242 @@ def rms_rope_split_half_(q, k, freqs, q_weight, k_weight, epsilon: float, rot_di
     resident = mod.sm_count * mod.resident_ctas("fused_rms_rope_split_half", ROPE_THREADS, ROPE_SHARED_BYTES)
     grid = max(1, min(-(-quads // (ROPE_THREADS // 32)), resident))
     mod.launch("fused_rms_rope_split_half", grid, ROPE_THREADS, params, stream, shared_bytes=ROPE_SHARED_BYTES)
+    return q, k
+
+
+# ---- the row kernels of a LayerNorm block (kernels/csrc/residual_norm.cu layer_norm_*, rms_norm_*) ---------------
+
+class _LayerNormParams(ctypes.Structure):
+    _fields_ = [
+        ("x", ctypes.c_void_p), ("x_row_stride", ctypes.c_int64), ("out", ctypes.c_void_p),
+        ("out_row_stride", ctypes.c_int64), ("other", ctypes.c_void_p), ("other_row_stride", ctypes.c_int64),
+        ("gate", ctypes.c_void_p), ("gate_row_stride", ctypes.c_int64), ("mod_index", ctypes.c_void_p),
+        ("rows", ctypes.c_int64), ("cols", ctypes.c_int64), ("eps", ctypes.c_float), ("mean", ctypes.c_void_p),
+        ("rstd", ctypes.c_void_p), ("norm_weight", ctypes.c_void_p), ("norm_bias", ctypes.c_void_p),
+        ("mod_scale", ctypes.c_void_p), ("mod_shift", ctypes.c_void_p), ("mod_row_stride", ctypes.c_int64),
+        ("out_scale", _GlobalScaleOut),
+    ]
+
+
+class _RmsRopeRowParams(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("q_row_stride", ctypes.c_int64), ("k", ctypes.c_void_p),
+        ("k_row_stride", ctypes.c_int64), ("rows", ctypes.c_int64), ("cols", ctypes.c_int64),
+        ("q_weight", ctypes.c_void_p), ("k_weight", ctypes.c_void_p), ("eps", ctypes.c_float),
+        ("freqs", ctypes.c_void_p), ("positions", ctypes.c_int64), ("head_dim", ctypes.c_int32),
+    ]
+
+
+_ROW_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _column_table_refusal(name: str, t: torch.Tensor, x: torch.Tensor) -> str | None:
+    if t.dtype != x.dtype or tuple(t.shape) != (x.shape[1],) or not t.is_contiguous() or t.data_ptr() % 16 \
+            or t.device != x.device:
+        return f"the {name} must be a contiguous, 16-byte aligned {x.dtype} [{x.shape[1]}] tensor on {x.device}"
+    return None
+
+
+def _row_refusal(x: torch.Tensor, what: str = "activation") -> str | None:
+    """The rows every row kernel reads (torch's vectorized layer_norm / rms_norm kernel runs for these too): 2-D, bf16
+    or fp16 on the GPU, a width that is a multiple of 16 up to ROW_NORM_MAX_COLS, 16-byte aligned rows."""
+    if not x.is_cuda or x.dtype not in _ROW_DTYPES or x.dim() != 2:
+        return f"the {what} must be a 2-D bf16 or fp16 CUDA tensor"
+    k = x.shape[1]
+    if k % 16 or k > ROW_NORM_MAX_COLS:
+        return f"the width {k} is not a multiple of 16 up to {ROW_NORM_MAX_COLS}"
+    if not _aligned(x):
+        return f"the {what} rows must be 16-byte aligned with unit column stride"
+    if x.shape[0] * max(x.stride(0), k) >= 2**31:
+        return f"the {what} is too large for one launch"
+    return None
+
+
+def _layer_norm_tables_refusal(norm: LayerNorm, modulation: AddcmulModulation | None) -> str | None:
+    """Alignment of what the kernels read besides the rows (layout.layer_norm_source_refusal has the shapes)."""
+    if norm.weight is not None:
+        for name, t in (("LayerNorm weight", norm.weight), ("LayerNorm bias", norm.bias)):
+            if not t.is_contiguous() or t.data_ptr() % 16:
+                return f"the {name} must be contiguous and 16-byte aligned"
+    if modulation is not None and not (_aligned(modulation.scale) and _aligned(modulation.shift)):
+        return "the modulation tables must be 16-byte aligned with unit column stride"
+    if not (norm.mean.is_contiguous() and norm.rstd.is_contiguous()):
+        return "the LayerNorm statistics must be contiguous"
+    return None
+
+
+def layer_norm_support(x: torch.Tensor, norm: LayerNorm, *, modulation: AddcmulModulation | None = None,
+                       global_scale_out: torch.Tensor | None = None) -> str | None:
+    """None if the kernels reproduce torch's CUDA ``layer_norm`` statistics of ``x`` (and, with ``global_scale_out``,
+    the dynamic global scale of the next projection's input, the norm followed by ``modulation`` or with its affine
+    parameters), else why not."""
+    reason = _row_refusal(x)
+    if reason is not None:
+        return reason
+    if (norm.weight is None) != (norm.bias is None):
+        return "a LayerNorm with a weight but no bias (or the reverse): torch's kernel takes another branch"
+    for name, t in (("LayerNorm weight", norm.weight), ("LayerNorm bias", norm.bias)):
+        if t is not None:
+            reason = _column_table_refusal(name, t, x)
+            if reason is not None:
+                return reason
+    for name, t in (("mean", norm.mean), ("rstd", norm.rstd)):
+        if t.dtype != torch.float32 or tuple(t.shape) != (x.shape[0],) or not t.is_contiguous() or t.device != x.device:
+            return f"the LayerNorm {name} must be a contiguous fp32 [M] tensor on the activation's device"
+    if global_scale_out is not None:
+        if global_scale_out.dtype != torch.float32 or global_scale_out.numel() != 1 \
+                or global_scale_out.device != x.device:
+            return "global_scale_out must be an fp32 one-element tensor on the activation's device"
+        reason = source_refusal(x, layer_norm=norm, addcmul_modulation=modulation)
+        if reason is None:
+            reason = _layer_norm_tables_refusal(norm, modulation)
+        if reason is not None:
+            return f"the next projection's input: {reason}"
+    elif modulation is not None:
+        return "a modulation is only read for the next projection's amax (global_scale_out)"
+    return None
+
+
+def residual_layer_norm_support(x: torch.Tensor, other: torch.Tensor, next_norm: LayerNorm, *,
+                                gate: torch.Tensor | None = None, mod_index: torch.Tensor | None = None,
+                                out: torch.Tensor | None = None, next_modulation: AddcmulModulation | None = None,
+                                global_scale_out: torch.Tensor | None = None) -> str | None:
+    """None if :func:`residual_layer_norm_` takes these tensors, else why not."""
+    for name, t in (("x", x), ("other", other), ("out", out if out is not None else x)):
+        reason = _row_refusal(t, name)
+        if reason is not None:
+            return reason
+        if t.shape != x.shape or t.dtype != x.dtype or t.device != x.device:
+            return f"{name} must be a {x.dtype} {tuple(x.shape)} tensor on {x.device}, like x"
+    if gate is not None:
+        if gate.dtype != x.dtype or gate.dim() != 2 or gate.shape[1] != x.shape[1] or not _aligned(gate) \
+                or gate.device != x.device:
+            return f"the gate table must be a 16-byte aligned {x.dtype} [rows, {x.shape[1]}] tensor on {x.device}"
+    if gate is not None or next_modulation is not None:
+        index = mod_index if mod_index is not None else getattr(next_modulation, "mod_index", None)
+        if index is None or index.dtype != torch.int32 or tuple(index.shape) != (x.shape[0],) \
+                or index.device != x.device:
+            return "the modulation index must be int32 [M] on the activation's device"
+        if next_modulation is not None and mod_index is not None and next_modulation.mod_index is not mod_index:
+            return "the gate and the next modulation read one modulation index"
+    return layer_norm_support(x, next_norm, modulation=next_modulation, global_scale_out=global_scale_out)
+
+
+def _layer_norm_launch(kernel: str, x: torch.Tensor, norm: LayerNorm, *, out=None, other=None, gate=None,
+                       mod_index=None, modulation: AddcmulModulation | None = None, global_scale_out=None) -> None:
+    mod = module_for(x.device, RESIDUAL_NORM)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    params = _LayerNormParams(x.data_ptr(), x.stride(0))
+    params.rows, params.cols, params.eps = x.shape[0], x.shape[1], float(norm.eps)
+    params.mean, params.rstd = norm.mean.data_ptr(), norm.rstd.data_ptr()
+    if other is not None:
+        params.out, params.out_row_stride = out.data_ptr(), out.stride(0)
+        params.other, params.other_row_stride = other.data_ptr(), other.stride(0)
+    if gate is not None:
+        params.gate, params.gate_row_stride = gate.data_ptr(), gate.stride(0)
+    index = mod_index if mod_index is not None else (modulation.mod_index if modulation is not None else None)
+    if index is not None:
+        params.mod_index = index.data_ptr()
+    if global_scale_out is not None:
+        if modulation is not None:
+            params.mod_scale, params.mod_shift = modulation.scale.data_ptr(), modulation.shift.data_ptr()
+            params.mod_row_stride = modulation.scale.stride(0)
+        else:
+            params.norm_weight, params.norm_bias = norm.weight.data_ptr(), norm.bias.data_ptr()
+        params.out_scale = _global_scale_out(x.device, stream, global_scale_out)
+    threads = LAUNCH["ROW_NORM_THREADS"]
+    shared = ROW_NORM_SHARED_BYTES if global_scale_out is not None else 0  # the amax pass reads the staged row
+    grid = max(1, min(-(-x.shape[0] // (threads // 32)), mod.sm_count * 16))  # one warp per row
+    mod.launch(kernel, grid, threads, params, stream, shared_bytes=shared)
+
+
+def _layer_norm_kernel(residual: str, norm: LayerNorm, modulation, global_scale_out, dtype) -> str:
+    amax = "stats" if global_scale_out is None else "modulated_amax" if modulation is not None else "affine_amax"
+    return f"fused_{residual}layer_norm_{amax}{KERNEL_SUFFIX[dtype]}"
+
+
+def layer_norm_statistics(x: torch.Tensor, norm: LayerNorm, *, modulation: AddcmulModulation | None = None,
+                          global_scale_out: torch.Tensor | None = None) -> None:
+    """Write torch's CUDA ``layer_norm`` statistics of every row of ``x`` (bf16 or fp16) into ``norm.mean`` and
+    ``norm.rstd``; with ``global_scale_out``, also ComfyUI's dynamic global scale of the next projection's input:
+    ``addcmul(shift, layer_norm(x), 1 + scale)`` with ``modulation`` (norm without affine parameters), else the
+    norm with its weight and bias. One read of ``x``; the norm's output is never written."""
+    reason = layer_norm_support(x, norm, modulation=modulation, global_scale_out=global_scale_out)
+    if reason is not None:
+        raise ValueError(reason)
+    _layer_norm_launch(_layer_norm_kernel("", norm, modulation, global_scale_out, x.dtype), x, norm,
+                       modulation=modulation, global_scale_out=global_scale_out)
+
+
+def residual_layer_norm_(x: torch.Tensor, other: torch.Tensor, next_norm: LayerNorm, *,
+                         gate: torch.Tensor | None = None, mod_index: torch.Tensor | None = None,
+                         out: torch.Tensor | None = None, next_modulation: AddcmulModulation | None = None,
+                         global_scale_out: torch.Tensor | None = None) -> torch.Tensor:
+    """ComfyUI's residual of a LayerNorm block, ``out[r] = addcmul(x[r], other[r], gate[mod_index[r]])`` (``gate``
+    given) or ``x[r] + other[r]`` (torch's CUDA arithmetic on bf16 / fp16), written to ``out`` (default: ``x``, in
+    place), and in the same pass :func:`layer_norm_statistics` of the new rows with ``next_norm`` (and the next
+    projection's global scale with ``global_scale_out``). Returns ``out``."""
+    out = x if out is None else out
+    reason = residual_layer_norm_support(x, other, next_norm, gate=gate, mod_index=mod_index, out=out,
+                                         next_modulation=next_modulation, global_scale_out=global_scale_out)
+    if reason is not None:
+        raise ValueError(reason)
+    residual = "gated_residual_" if gate is not None else "add_residual_"
+    _layer_norm_launch(_layer_norm_kernel(residual, next_norm, next_modulation, global_scale_out, x.dtype), x,
+                       next_norm, out=out, other=other, gate=gate, mod_index=mod_index, modulation=next_modulation,
+                       global_scale_out=global_scale_out)
+    return out
+
+
+def rms_norm_rope_support(q: torch.Tensor, k: torch.Tensor | None, q_weight: torch.Tensor,
+                          k_weight: torch.Tensor | None, *, freqs: torch.Tensor | None = None,
+                          positions: int | None = None) -> str | None:
+    """None if :func:`rms_norm_rope_` takes these tensors, else why not."""
+    for name, t, w in (("q", q, q_weight), ("k", k, k_weight)):
+        if t is None:
+            continue
+        reason = _row_refusal(t, name)
+        if reason is not None:
+            return reason
+        if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+            return "q and k must have one shape, dtype and device"
+        reason = _column_table_refusal(f"{name} norm weight", w, t) if w is not None else f"no {name} norm weight"
+        if reason is not None:
+            return reason
+    if freqs is None:
+        return None
+    if positions is None or positions <= 0 or q.shape[0] % positions:
+        return f"the rows ({q.shape[0]}) must be whole batch items of {positions} positions"
+    if freqs.dtype != torch.float32 or freqs.dim() != 4 or tuple(freqs.shape[2:]) != (2, 2) or freqs.device != q.device:
+        return "the rope table must be fp32 [positions, head_dim / 2, 2, 2] on q's device"
+    head_dim = 2 * freqs.shape[1]
+    if head_dim % 8 or q.shape[1] % head_dim or freqs.shape[0] < positions:
+        return f"head_dim {head_dim} (from the rope table) must be a multiple of 8 dividing the width {q.shape[1]}, " \
+               f"with a rotation for each of the {positions} positions"
+    if not freqs.is_contiguous() or freqs.data_ptr() % 16:
+        return "the rope table must be contiguous and 16-byte aligned"
+    return None
+
+
+def rms_norm_rope_(q: torch.Tensor, k: torch.Tensor | None, q_weight: torch.Tensor, k_weight: torch.Tensor | None,
+                   eps: float, *, freqs: torch.Tensor | None = None, positions: int | None = None):
+    """In place on ``q`` (and ``k``): torch's CUDA ``rms_norm`` over the full width (``[M, D]`` rows, weights
+    ``[D]``), then with ``freqs`` comfy-kitchen's interleaved RoPE (``apply_rope1``) of each head: row ``r`` rotates
+    with ``freqs[r % positions]``, ``freqs`` fp32 ``[positions, head_dim / 2, 2, 2]`` (ComfyUI's rope table without
+    its unit dimensions). One read and one write of each element. Returns ``(q, k)``."""
+    reason = rms_norm_rope_support(q, k, q_weight, k_weight, freqs=freqs, positions=positions)
+    if reason is not None:
+        raise ValueError(reason)
+    mod = module_for(q.device, RESIDUAL_NORM)
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    params = _RmsRopeRowParams(q.data_ptr(), q.stride(0), k.data_ptr() if k is not None else None,
+                               k.stride(0) if k is not None else 0, q.shape[0], q.shape[1], q_weight.data_ptr(),
+                               k_weight.data_ptr() if k is not None else None, float(eps))
+    if freqs is not None:
+        params.freqs, params.positions, params.head_dim = freqs.data_ptr(), positions, 2 * freqs.shape[1]
+    kernel = ("fused_rms_norm_rope" if freqs is not None else "fused_rms_norm_rows") + KERNEL_SUFFIX[q.dtype]
+    threads = LAUNCH["ROW_NORM_THREADS"]
+    units = q.shape[0] * (2 if k is not None else 1)
+    grid = max(1, min(-(-units // (threads // 32)), mod.sm_count * 16))  # one warp per row
+    mod.launch(kernel, grid, threads, params, stream, shared_bytes=ROW_NORM_SHARED_BYTES)
     return q, k

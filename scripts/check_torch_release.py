@@ -8,7 +8,10 @@ release) or ``2.15.0 2.15.0:manylinux_2_28_aarch64`` (the Arm build GB10 hosts i
 
 The fused kernels reproduce, for bf16 operands, torch's CUDA ``rms_norm`` (``vectorized_layer_norm_kernel<BFloat16,
 float, rms_norm=true>``: torch runs it for 8-byte aligned rows, and the pack folds only 16-byte aligned ones) and the
-elementwise kernels of ComfyUI's modulation, SwiGLU and gated residuals (add, mul, silu, addcmul). For each release
+elementwise kernels of ComfyUI's modulation, SwiGLU and gated residuals (add, mul, silu, addcmul); for the LayerNorm
+blocks (Wan, in fp16 and bf16) also torch's ``layer_norm`` (``vectorized_layer_norm_kernel<Half / BFloat16, float,
+rms_norm=false>``, its Welford statistics and output), the fp16 ``rms_norm`` and the fp16 add and addcmul. (GELU needs
+no check: its table is made by the running torch itself.) For each release
 this downloads the torch wheel (``pip download --no-deps``, about 0.5 GB), extracts the sm_90 / sm_100 / sm_120
 cubins of ``libtorch_cuda.so`` with cuobjdump (about 3 GB) and compares every instantiation of those kernels that
 same-dtype operands run (vectorized, unrolled without casts, strided without casts): its floating-point, shuffle,
@@ -57,6 +60,12 @@ KERNELS = {
     "mul": ("MulFunctor", "BFloat16"),
     "silu": ("11silu_kernel", "BFloat16"),
     "addcmul": ("19addcmul_cuda_kernel", "BFloat16"),
+    # the LayerNorm blocks (Wan); fp16 names also match complex<Half> instantiations, compared as well
+    "layer_norm_f16": ("vectorized_layer_norm_kernelIN3c104HalfEfLb0E",),
+    "layer_norm": ("vectorized_layer_norm_kernelIN3c108BFloat16EfLb0E",),
+    "rms_norm_f16": ("vectorized_layer_norm_kernelIN3c104HalfEfLb1E",),
+    "add_f16": ("CUDAFunctor_add", "4HalfE"),
+    "addcmul_f16": ("19addcmul_cuda_kernel", "4HalfE"),
 }
 # Instantiations only mixed-dtype operands reach (gpu_kernel_impl's dynamic-casting paths).
 CASTING = re.compile(r"LoadWithCast|StoreWithCast|15gpu_kernel_implI")

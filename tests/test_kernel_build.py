@@ -49,6 +49,29 @@ KERNELS_BY_SOURCE = {
                          "fused_post_norm_residual_stats", "fused_post_norm_residual_amax_norm"),
     "rms_rope.cu": ("fused_rms_rope_split_half",),
 }
+# The kernels of a LayerNorm block (Wan): bf16, and fp16 with the _f16 suffix.
+LAYER_NORM_BLOCK_KERNELS = {
+    PACK_SOURCE: ("nvfp4_absmax_layer_norm_modulate", "nvfp4_pack_layer_norm_modulate",
+                  "nvfp4_absmax_layer_norm_affine", "nvfp4_pack_layer_norm_affine", "nvfp4_absmax_gelu",
+                  "nvfp4_pack_gelu", "nvfp4_pack_gelu_table",
+                  "nvfp4_absmax_layer_norm_modulate_f16", "nvfp4_pack_layer_norm_modulate_f16",
+                  "nvfp4_absmax_layer_norm_affine_f16", "nvfp4_pack_layer_norm_affine_f16", "nvfp4_absmax_gelu_f16",
+                  "nvfp4_pack_gelu_f16", "nvfp4_pack_gelu_table_f16"),
+    "residual_norm.cu": ("fused_layer_norm_stats", "fused_layer_norm_modulated_amax", "fused_layer_norm_affine_amax",
+                         "fused_gated_residual_layer_norm_stats", "fused_gated_residual_layer_norm_modulated_amax",
+                         "fused_gated_residual_layer_norm_affine_amax", "fused_add_residual_layer_norm_stats",
+                         "fused_add_residual_layer_norm_modulated_amax", "fused_add_residual_layer_norm_affine_amax",
+                         "fused_layer_norm_stats_f16", "fused_layer_norm_modulated_amax_f16",
+                         "fused_layer_norm_affine_amax_f16", "fused_gated_residual_layer_norm_stats_f16",
+                         "fused_gated_residual_layer_norm_modulated_amax_f16",
+                         "fused_gated_residual_layer_norm_affine_amax_f16",
+                         "fused_add_residual_layer_norm_stats_f16",
+                         "fused_add_residual_layer_norm_modulated_amax_f16",
+                         "fused_add_residual_layer_norm_affine_amax_f16", "fused_rms_norm_rope",
+                         "fused_rms_norm_rows", "fused_rms_norm_rope_f16", "fused_rms_norm_rows_f16"),
+}
+for _source, _kernels in LAYER_NORM_BLOCK_KERNELS.items():
+    KERNELS_BY_SOURCE[_source] += _kernels
 KERNELS = KERNELS_BY_SOURCE[PACK_SOURCE]
 ARITH_SOURCE = pathlib.Path(__file__).resolve().parent / "kernels" / "arith_check.cu"
 EMULATE = (("NVFP4_EMULATE_BLACKWELL", 1),)

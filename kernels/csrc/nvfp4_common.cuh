@@ -82,6 +82,16 @@ NVFP4_DEVICE u16 f32_to_f16(float f) {
 #endif
     return r;
 }
+// Two values in one instruction, each rounded exactly as f32_to_f16 rounds it (hi -> upper half).
+NVFP4_DEVICE u32 pack_f16x2(float lo, float hi) {
+    u32 r;
+#if defined(NVFP4_PLANT_FAULT) && NVFP4_PLANT_FAULT
+    asm("cvt.rz.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
 
 // ---- 16-byte global loads/stores -------------------------------------------------------------------------
 
@@ -207,7 +217,8 @@ NVFP4_DEVICE u32 f16x2_mul(u32 a, u32 b) {
 // widening to fp32 (one value, or the low / high half of a pair), the NaN-skipping |.| max of the block absmax, the
 // one-rounding multiply of the prescale source, the rounding of ComfyUI's dynamic global scale to the activation
 // dtype, and kInfBits, the |x| bit pattern of +inf (every NaN's |x| pattern is above it). Both formats keep the
-// sign in bit 15 of each half, which the sm_90 encoder gathers by byte (encode8_no_nan).
+// sign in bit 15 of each half, which the sm_90 encoder gathers by byte (encode8_no_nan). The row kernels and block
+// sources (norms, modulation, residuals: residual_norm.cu, packs.cu) also round pairs of fp32 results (pack).
 struct Bf16 {
     static constexpr u32 kInfBits = 0x7F80u;
     static __device__ __forceinline__ float to_f32(u16 v) { return bf16_to_f32(v); }
@@ -219,6 +230,7 @@ struct Bf16 {
     static __device__ __forceinline__ u32 absmax_x2(u32 a, u32 b) { return bf16x2_absmax(a, b); }
     static __device__ __forceinline__ u16 hmax(u32 v) { return bf16x2_hmax(v); }
     static __device__ __forceinline__ u32 mul_x2(u32 a, u32 b) { return bf16x2_mul(a, b); }
+    static __device__ __forceinline__ u32 pack(float lo, float hi) { return pack_bf16x2(lo, hi); }
 };
 struct F16 {
     static constexpr u32 kInfBits = 0x7C00u;
@@ -231,6 +243,7 @@ struct F16 {
     static __device__ __forceinline__ u32 absmax_x2(u32 a, u32 b) { return f16x2_absmax(a, b); }
     static __device__ __forceinline__ u16 hmax(u32 v) { return f16x2_hmax(v); }
     static __device__ __forceinline__ u32 mul_x2(u32 a, u32 b) { return f16x2_mul(a, b); }
+    static __device__ __forceinline__ u32 pack(float lo, float hi) { return pack_f16x2(lo, hi); }
 };
 
 // torch's CUDA silu in fp32 opmath: x / (1 + expf(-x)), IEEE division, then rounded to bf16 (the pack kernels
@@ -493,10 +506,39 @@ NVFP4_DEVICE u32 modulate_x2(u32 x, u32 scale, u32 shift) {
     return bf16x2_add(bf16x2_mul(x, bf16x2_add(BF16X2_ONE, scale)), shift);
 }
 
-// torch's rms_norm output element pair: bf16(w * (rstd * x)), two separately rounded fp32 products.
+// torch's rms_norm output element pair: T(w * (rstd * x)), two separately rounded fp32 products (T: the element type,
+// the same arithmetic in bf16 and fp16: vectorized_layer_norm_kernel<T, float, rms=true>).
+template <class E = Bf16>
 NVFP4_DEVICE u32 rms_norm_x2(u32 x, u32 w, float rstd) {
-    return pack_bf16x2(__fmul_rn(bf16_lo(w), __fmul_rn(rstd, bf16_lo(x))),
-                       __fmul_rn(bf16_hi(w), __fmul_rn(rstd, bf16_hi(x))));
+    return E::pack(__fmul_rn(E::lo(w), __fmul_rn(rstd, E::lo(x))), __fmul_rn(E::hi(w), __fmul_rn(rstd, E::hi(x))));
+}
+
+// ---- torch's LayerNorm output and ComfyUI's addcmul modulation, for either element type -------------------------
+// torch's layer_norm (vectorized_layer_norm_kernel<T, float, rms=false>, its compiled code for sm_90, sm_100 and
+// sm_120 in torch 2.11) writes each element from the row's fp32 mean and rstd (residual_norm.cu layer_norm_*):
+//   no affine parameters:  n = T(rstd * (x - mean))                  a subtraction and a product, each rounded once
+//   weight w and bias b:   n = T(fma(w, rstd * (x - mean), b))       the bias added in the fma, as compiled
+// (torch fuses nothing else here: the two forms are the branches of its kernel for these parameter sets).
+template <class E>
+NVFP4_DEVICE u32 layer_norm_x2(u32 x, float mean, float rstd) {
+    return E::pack(__fmul_rn(rstd, __fsub_rn(E::lo(x), mean)), __fmul_rn(rstd, __fsub_rn(E::hi(x), mean)));
+}
+template <class E>
+NVFP4_DEVICE u32 layer_norm_affine_x2(u32 x, u32 w, u32 b, float mean, float rstd) {
+    return E::pack(__fmaf_rn(E::lo(w), __fmul_rn(rstd, __fsub_rn(E::lo(x), mean)), E::lo(b)),
+                   __fmaf_rn(E::hi(w), __fmul_rn(rstd, __fsub_rn(E::hi(x), mean)), E::hi(b)));
+}
+
+// torch's addcmul(a, b, c) = a + b * c on 16-bit tensors, in fp32 opmath: the product of two 16-bit values is exact
+// in fp32, so a fused or a separate multiply-add round identically: one rounding of the sum; the caller rounds to T.
+NVFP4_DEVICE float addcmul_f32(float a, float b, float c) { return __fadd_rn(a, __fmul_rn(b, c)); }
+
+// ComfyUI's modulation torch.addcmul(shift, n, 1 + scale) (Wan's block): s1 = T(1 + scale) (torch's add of a Python
+// scalar: fp32 opmath, one rounding to T), then T(addcmul_f32(shift, n, s1)).
+template <class E>
+NVFP4_DEVICE u32 addcmul_modulate_x2(u32 n, u32 scale, u32 shift) {
+    const u32 s1 = E::pack(__fadd_rn(1.0f, E::lo(scale)), __fadd_rn(1.0f, E::hi(scale)));
+    return E::pack(addcmul_f32(E::lo(shift), E::lo(n), E::lo(s1)), addcmul_f32(E::hi(shift), E::hi(n), E::hi(s1)));
 }
 
 // The modulation forms of a normalized row before its projection (template parameters of the normalized packs,

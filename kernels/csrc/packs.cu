@@ -12,7 +12,11 @@
 //     gate and up in one row (UpInRow: H3's fc1 output, gate half first) or in two tensors (UpBeside: Z-Image's
 //     w1 and w3 outputs -> w2's input, ComfyUI's F.silu(x1) * x3)
 //   PrescaleSource       h = bf16(x * p[c])                                  (AWQ pre_quant_scale of a Linear)
-// with m = mod_index[row] the adaLN modulation row of the token. Each bf16() is one round-to-nearest-even,
+//   LayerNormModulateOf  h = T(shift[m] + n * T(1 + scale[m])), n = T(rstd[row] * (x - mean[row]))   (Wan: q/k/v, ffn.0)
+//   LayerNormAffineOf    h = T(fma(w[c], rstd[row] * (x - mean[row]), b[c]))                       (Wan: cross-attn q)
+//   GeluOf               h = gelu_tanh(x), looked up in torch's own table                           (Wan: ffn.2)
+// with m = mod_index[row] the adaLN modulation row of the token (T: the activation dtype of the LayerNorm block's
+// sources, bf16 or fp16; their statistics come from residual_norm.cu layer_norm_*). Each bf16() is one round-to-nearest-even,
 // exactly where PyTorch rounds in ComfyUI's stock ops (rms_norm, mul_, add_, silu, mul_), and the fp32 arithmetic
 // between them is IEEE (this file is compiled without fast math; _rn intrinsics prevent contraction). The rstd of
 // the normalized sources and their global scale come from residual_norm.cu (the row-norm and residual kernels).
@@ -21,7 +25,7 @@
 // default): PlainOf<F16> and PrescaleOf<F16>, h = fp16(x * p[c]) with p the table cast to fp16, and the global scale
 // rounded to fp16 (the _f16 entry points). Each source names its element type (Elem), which selects the
 // instructions of the block quantizer and of the global scale (nvfp4_common.cuh Bf16 / F16); the H3 sources
-// (modulate, normalized, SwiGLU) read bf16 only.
+// (modulate, normalized, SwiGLU) read bf16 only; the sources of a LayerNorm block read either (_f16: fp16).
 //
 //   nvfp4_absmax_*      one pass over h: amax|h| (NaN wins, as torch.amax); the LAST CTA to finish turns it into
 //                       the global scale g = fp32(bf16(amax * fp32(1/2688))), writes it to device memory and
@@ -66,17 +70,24 @@ struct SourceParams {
     i64 x_row_stride;      // in elements
     i64 rows;              // M
     i64 cols;              // K, the packed width
-    union {                // SwiGLU: where the up values are (the two sources that locate them never meet)
-        i64 up_offset;     // UpInRow: elements from gate[c] to up[c] within a row
-        const u16* up;     // UpBeside: a second bf16 tensor [M, K] with x's row stride
+    union {                // the sources that read one never meet
+        i64 up_offset;     // SwiGLU, UpInRow: elements from gate[c] to up[c] within a row
+        const u16* up;     // SwiGLU, UpBeside: a second bf16 tensor [M, K] with x's row stride
+        const float* mean; // folded LayerNorm: per-row mean (fused_layer_norm_* in residual_norm.cu)
     };
     const u16* mod_scale;  // bf16 adaLN scale rows (before the 1 +), row stride mod_row_stride
-    const u16* mod_shift;  // bf16 adaLN shift rows
+    union {
+        const u16* mod_shift;  // bf16 adaLN shift rows
+        const u16* norm_bias;  // folded LayerNorm with affine parameters: its bias [K]
+    };
     i64 mod_row_stride;    // in elements
     const i32* mod_index;  // modulation row of each token
-    const u16* silu_table; // SwiGLU with a table: bf16 silu(x) for each of the 65536 bf16 bit patterns x (or its window)
-    const float* rstd;     // folded RMSNorm: per-row rstd (fused_row_norm_*), and its bf16 weight [K]
-    union {                // one per-column bf16 table [K]: the two sources that read one never meet
+    union {
+        const u16* silu_table; // SwiGLU with a table: bf16 silu(x) for each of the 65536 bf16 bit patterns x (or its window)
+        const u16* gelu_table; // GELU (tanh): torch's gelu of each of the 65536 bit patterns of the activation dtype
+    };
+    const float* rstd;     // folded RMSNorm / LayerNorm: per-row rstd (fused_row_norm_*, fused_layer_norm_*), and its weight [K]
+    union {                // one per-column table [K]: the two sources that read one never meet
         const u16* norm_weight;
         const u16* prescale;  // PrescaleOf: the layer's pre_quant_scale cast to the activation dtype
     };
@@ -278,6 +289,99 @@ struct SwigluSource : SwigluRowsOf<Up> {
         for (int i = 0; i < 4; ++i) w[i] = Silu::times(gs[i], us[i]);
     }
 };
+
+// ---- the sources of a LayerNorm block (Wan computes in fp16 by default; bf16 too) ------------------------------
+
+// torch's LayerNorm without affine parameters folded in, n = T(rstd * (x - mean)) from the row's statistics
+// (layer_norm_* in residual_norm.cu), then ComfyUI's modulation torch.addcmul(shift, n, 1 + scale) with the token's
+// modulation row (nvfp4_common.cuh layer_norm_x2, addcmul_modulate_x2): Wan's norm1 -> q, k, v and norm2 -> ffn.0.
+template <class E>
+struct LayerNormModulateOf {
+    using Elem = E;
+    static constexpr bool kScaleEvictLast = false;
+    static constexpr bool kPairedRows = true;
+    static constexpr u32 kSegmentSteps = 0;  // whole row pairs (as the norm-modulate pack)
+    struct Row { const u16* x; const u16* scale; const u16* shift; float mean, rstd; };
+    static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) {
+        const i64 m = p.mod_index[r];
+        return Row{p.x + r * p.x_row_stride, p.mod_scale + m * p.mod_row_stride, p.mod_shift + m * p.mod_row_stride,
+                   p.mean[r], p.rstd[r]};
+    }
+    static __device__ __forceinline__ void load(const SourceParams& p, const Row& r, i64 col, u32 w[4]) {
+        u32x4 x = load_16B_stream(r.x + col);
+        u32x4 s = load_16B(r.scale + col);
+        u32x4 t = load_16B(r.shift + col);
+        const u32 xs[4] = {x.x, x.y, x.z, x.w}, ss[4] = {s.x, s.y, s.z, s.w}, ts[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = addcmul_modulate_x2<E>(layer_norm_x2<E>(xs[i], r.mean, r.rstd), ss[i], ts[i]);
+    }
+};
+
+// torch's LayerNorm with its weight and bias folded in, n = T(fma(w, rstd * (x - mean), b)) (Wan's norm3 -> the
+// cross-attention q). The [K] weight and bias are re-read by every row and stay in L1 / L2.
+template <class E>
+struct LayerNormAffineOf {
+    using Elem = E;
+    static constexpr bool kScaleEvictLast = false;
+    static constexpr bool kPairedRows = true;
+    static constexpr u32 kSegmentSteps = 0;
+    struct Row { const u16* x; float mean, rstd; };
+    static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) {
+        return Row{p.x + r * p.x_row_stride, p.mean[r], p.rstd[r]};
+    }
+    static __device__ __forceinline__ void load(const SourceParams& p, const Row& r, i64 col, u32 w[4]) {
+        u32x4 x = load_16B_stream(r.x + col);
+        u32x4 nw = load_16B(p.norm_weight + col);
+        u32x4 nb = load_16B(p.norm_bias + col);
+        const u32 xs[4] = {x.x, x.y, x.z, x.w}, ws[4] = {nw.x, nw.y, nw.z, nw.w}, bs[4] = {nb.x, nb.y, nb.z, nb.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = layer_norm_affine_x2<E>(xs[i], ws[i], bs[i], r.mean, r.rstd);
+    }
+};
+
+// GELU (tanh approximation) of each element, looked up in torch's own table: the gelu of every bit pattern of the
+// activation dtype, made by torch.nn.functional.gelu(approximate="tanh") on the device (kernels/cuda_ops.py
+// gelu_table), so a lookup returns exactly what ComfyUI's eager activation of a down-projection's input computes
+// (Wan's ffn.0 output -> ffn.2). The table is read from shared memory (128 KB: the _table pack, where it fits, one
+// CTA per SM as the SwiGLU table pack) or from global memory through L1.
+extern __shared__ __align__(16) u16 gelu_shared[];
+
+// NVFP4_PLANT_FAULT (tests of the self-check only) looks up the neighbouring entry: a wrong kernel it must catch.
+#if defined(NVFP4_PLANT_FAULT) && NVFP4_PLANT_FAULT
+#define GELU_ENTRY(v) ((v) ^ 1u)
+#else
+#define GELU_ENTRY(v) (v)
+#endif
+struct GeluShared {
+    static __device__ __forceinline__ u32 pair(const SourceParams&, u32 v) {
+        return (u32)gelu_shared[GELU_ENTRY(v & 0xFFFFu)] | ((u32)gelu_shared[GELU_ENTRY(v >> 16)] << 16);
+    }
+};
+struct GeluGlobal {
+    static __device__ __forceinline__ u32 pair(const SourceParams& p, u32 v) {
+        return (u32)__ldg(p.gelu_table + GELU_ENTRY(v & 0xFFFFu)) | ((u32)__ldg(p.gelu_table + GELU_ENTRY(v >> 16)) << 16);
+    }
+};
+
+// Rows as the SwiGLU sources read them (through L1; the scale bytes with evict_last: a long input stream), whole rows
+// per warp for the shared-table pack (as the SwiGLU table pack), row pairs for the global-table one.
+template <class E, class Lookup, bool PairedRows>
+struct GeluOf {
+    using Elem = E;
+    static constexpr bool kScaleEvictLast = true;
+    static constexpr bool kPairedRows = PairedRows;
+    static constexpr u32 kSegmentSteps = 0;
+    using Row = PlainSource::Row;
+    static __device__ __forceinline__ Row row(const SourceParams& p, i64 r) { return PlainSource::row(p, r); }
+    static __device__ __forceinline__ void load(const SourceParams& p, const Row& r, i64 col, u32 w[4]) {
+        const u32x4 x = load_16B(r.x + col);
+        const u32 xs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = Lookup::pair(p, xs[i]);
+    }
+};
+template <class E>
+using GeluGlobalOf = GeluOf<E, GeluGlobal, true>;
 
 // ---- global scale ----------------------------------------------------------------------------------------
 
@@ -518,4 +622,28 @@ extern "C" __global__ void __launch_bounds__(PACK_THREADS, SILU_WINDOW_MIN_CTAS)
 extern "C" __global__ void __launch_bounds__(PACK_THREADS, SILU_WINDOW_MIN_CTAS) nvfp4_pack_swiglu_pair_window(const PackParams p) {
     copy_table_to_shared(silu_window_shared, p.src.silu_table, 2 * 2 * SILU_WINDOW);
     pack_body<SwigluWindowOf<UpBeside>, 1>(p);
+}
+
+// The sources of a LayerNorm block (bf16; _f16: fp16), with the launch shapes of the norm-modulate pack (the
+// LayerNorm-modulate pack with the plain pack's register budget: its rows carry two more values, which spill at the
+// other one's on sm_100a); the GELU table pack with the SwiGLU table pack's. Not tuned yet.
+extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_layer_norm_modulate(const AbsmaxParams p) { absmax_body<LayerNormModulateOf<Bf16>, 1>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS, PLAIN_MIN_CTAS) nvfp4_pack_layer_norm_modulate(const PackParams p) { pack_body<LayerNormModulateOf<Bf16>, 1>(p); }
+extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_layer_norm_affine(const AbsmaxParams p) { absmax_body<LayerNormAffineOf<Bf16>, 1>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_pack_layer_norm_affine(const PackParams p) { pack_body<LayerNormAffineOf<Bf16>, 1>(p); }
+extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_gelu(const AbsmaxParams p) { absmax_body<GeluGlobalOf<Bf16>, 1>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_pack_gelu(const PackParams p) { pack_body<GeluGlobalOf<Bf16>, 1>(p); }
+extern "C" __global__ void __launch_bounds__(SILU_TABLE_THREADS, 1) nvfp4_pack_gelu_table(const PackParams p) {
+    copy_table_to_shared(gelu_shared, p.src.gelu_table, 2 * 65536);
+    pack_body<GeluOf<Bf16, GeluShared, false>, 1>(p);
+}
+extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_layer_norm_modulate_f16(const AbsmaxParams p) { absmax_body<LayerNormModulateOf<F16>, 1>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS, PLAIN_MIN_CTAS) nvfp4_pack_layer_norm_modulate_f16(const PackParams p) { pack_body<LayerNormModulateOf<F16>, 1>(p); }
+extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_layer_norm_affine_f16(const AbsmaxParams p) { absmax_body<LayerNormAffineOf<F16>, 1>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_pack_layer_norm_affine_f16(const PackParams p) { pack_body<LayerNormAffineOf<F16>, 1>(p); }
+extern "C" __global__ void __launch_bounds__(ABSMAX_THREADS) nvfp4_absmax_gelu_f16(const AbsmaxParams p) { absmax_body<GeluGlobalOf<F16>, 1>(p); }
+extern "C" __global__ void __launch_bounds__(PACK_THREADS, PACK_MIN_CTAS) nvfp4_pack_gelu_f16(const PackParams p) { pack_body<GeluGlobalOf<F16>, 1>(p); }
+extern "C" __global__ void __launch_bounds__(SILU_TABLE_THREADS, 1) nvfp4_pack_gelu_table_f16(const PackParams p) {
+    copy_table_to_shared(gelu_shared, p.src.gelu_table, 2 * 65536);
+    pack_body<GeluOf<F16, GeluShared, false>, 1>(p);
 }

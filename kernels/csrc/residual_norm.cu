@@ -18,6 +18,13 @@
 //   fused_modulation_bounds, _scale, fused_norm_bounds: per modulation row (one row without a modulation),
 //                       the bounds that let the amax pass skip columns that cannot raise the maximum (see
 //                       bounded_amax), for the ScaleShift, ScaleOnly and Unmodulated forms.
+// and for blocks built on LayerNorm (Wan), in bf16 and fp16 (_f16):
+//   fused_*layer_norm_* torch's LayerNorm statistics of x (mean[r], rstd[r]: its Welford arithmetic), optionally
+//                       after ComfyUI's residual (gated_residual_: addcmul(x, other, gate[m]); add_residual_: x +
+//                       other) and with the amax of the next projection's input (the norm modulated by ComfyUI's
+//                       addcmul, or with its affine parameters): see "LayerNorm statistics" below.
+//   fused_rms_norm_rope*, torch's rms_norm over the whole row in place, then comfy-kitchen's interleaved RoPE (or
+//   fused_rms_norm_rows*  none): see "full-width RMSNorm" below.
 // Each bf16() below is one round-to-nearest-even where PyTorch rounds, with IEEE fp32 between (no fast math).
 //
 // torch's rms_norm (vectorized_layer_norm_kernel<BFloat16, float, rms=true>, identical arithmetic in torch 2.9.0 to
@@ -93,7 +100,7 @@ struct ModBoundsParams {
 // torch's addcmul_ in fp32 opmath. The product of two bf16 values is exact in fp32, so a fused or a separate
 // multiply-add round identically: one rounding of the sum, then one to bf16.
 __device__ __forceinline__ float gated_add(float x, float o, float gate) {
-    return __fadd_rn(x, __fmul_rn(o, gate));
+    return addcmul_f32(x, o, gate);
 }
 
 __device__ __forceinline__ void gated_residual_body(const GatedResidualParams& p) {
@@ -140,12 +147,14 @@ __device__ __forceinline__ void gated_residual_body(const GatedResidualParams& p
 #endif
 extern __shared__ __align__(16) u32 row_shared[];
 
-// Sums of squares of torch's logical threads 2p + j (+ 64 in odd chunks) over one chunk: 4 elements each, in order.
+// Sums of squares of torch's logical threads 2p + j (+ 64 in odd chunks) over one chunk: 4 elements each, in order
+// (elements of type E: torch's rms_norm kernel is the same for bf16 and fp16 but for the widening).
+template <class E = Bf16>
 NVFP4_DEVICE void add_squares(const u32 w[4], float sums[2]) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-        const float e0 = bf16_lo(w[2 * j]), e1 = bf16_hi(w[2 * j]);
-        const float e2 = bf16_lo(w[2 * j + 1]), e3 = bf16_hi(w[2 * j + 1]);
+        const float e0 = E::lo(w[2 * j]), e1 = E::hi(w[2 * j]);
+        const float e2 = E::lo(w[2 * j + 1]), e3 = E::hi(w[2 * j + 1]);
         float& s = sums[j];
         s = __fmaf_rn(e0, e0, s);
         s = __fmaf_rn(e1, e1, s);
@@ -497,6 +506,358 @@ __device__ __forceinline__ void residual_norm_body(const RowNormParams& p) {
     if (Amax) absmax_finish<RESIDUAL_NORM_THREADS, Bf16, Residual>(p.out, acc);
 #undef ROW_AT
 }
+
+// ---- LayerNorm statistics (torch's Welford), after an optional residual update, and the next projection's amax ----
+// torch's layer_norm (vectorized_layer_norm_kernel<T, float, rms=false>, T = Half or BFloat16; the arithmetic read
+// from its compiled code for sm_90, sm_100 and sm_120 in torch 2.11, scripts/check_torch_release.py layer_norm*):
+// one CTA of 128 threads (4 warps) per row; logical thread t folds the elements of its 4-element vectors t, t + 128,
+// ... in order into a Welford state {mean, sigma2, count} (welford_add):
+//     delta = x - mean;  count = count + 1;  mean = fma(delta, rcp.rn(count), mean);  sigma2 = fma(delta, x - mean, sigma2)
+// then a shfl_down tree 16, 8, 4, 2, 1 per warp, each step combining the lower lane B with the upper lane A
+// (welford_combine: count = A.count + B.count; if count > 0, with c = rcp.rn(count), nA = A.count c, nB = B.count c,
+// delta = B.mean - A.mean: mean = fma(nA, A.mean, nB B.mean), sigma2 = fma(nB, (delta delta) A.count, A.sigma2 +
+// B.sigma2); else mean = sigma2 = 0), then the warps W0 = W0 + W2, W1 = W1 + W3, W0 = W0 + W1 (the same combine,
+// lower warp as B); var = div.rn(sigma2, float(K)), rstd = rsqrt.approx.f32(var + eps) (non-ftz). The normalized
+// value itself is formed where it is used: nvfp4_common.cuh layer_norm_x2 / layer_norm_affine_x2.
+// One warp per row, in the chunk mapping of row_norm_body (lane p of chunk c holds the vectors of torch's logical
+// threads 64 (c % 2) + 2p + j, j = 0, 1), so the Welford states and the tree replay torch's. The residual variants
+// first form the new x with ComfyUI's ops on 16-bit tensors (torch.addcmul(x, other, gate[m]) or x + other: fp32
+// opmath, one rounding of the sum to fp32 and one to T) and write it (to x itself or to another buffer); the amax
+// variants also stage the row in shared memory and take the amax of the next projection's input (the LayerNorm with
+// its affine parameters, or followed by ComfyUI's addcmul modulation) for its dynamic global scale, evaluated at every
+// element (no bounds: the row is in shared memory, the work is arithmetic only).
+enum ResidualKind { kNoResidual = 0, kGatedResidual = 1, kAddResidual = 2 };
+enum AmaxKind { kNoAmax = 0, kModulatedAmax = 1, kAffineAmax = 2 };
+
+struct LayerNormParams {
+    const u16* x;            // [rows, cols], elements of the kernel's type
+    i64 x_row_stride;
+    u16* out;                // residual variants: the new x (x itself for an update in place)
+    i64 out_row_stride;
+    const u16* other;        // residual variants: the attention / MLP output
+    i64 other_row_stride;
+    const u16* gate;         // gated residual: gate rows [R, cols]
+    i64 gate_row_stride;
+    const i32* mod_index;    // table row of each token (gate, modulation scale and shift)
+    i64 rows;
+    i64 cols;                // a multiple of 16, at most 512 * ROW_NORM_MAX_STEPS
+    float eps;
+    float* mean;             // out: fp32 [rows]
+    float* rstd;             // out: fp32 [rows]
+    const u16* norm_weight;  // affine amax: the norm's weight and bias [cols]
+    const u16* norm_bias;
+    const u16* mod_scale;    // modulated amax: the next projection's modulation rows (scale before the 1 +, shift)
+    const u16* mod_shift;
+    i64 mod_row_stride;
+    GlobalScaleOut out_scale;  // amax variants
+};
+
+struct Welford {
+    float mean, sigma2, count;
+};
+
+// rcp_count: rcp.rn of the count after this element (count_rcp below).
+NVFP4_DEVICE void welford_add(Welford& s, float x, float rcp_count) {
+    const float delta = __fsub_rn(x, s.mean);
+    s.count = __fadd_rn(s.count, 1.0f);
+    s.mean = __fmaf_rn(delta, rcp_count, s.mean);
+    s.sigma2 = __fmaf_rn(delta, __fsub_rn(x, s.mean), s.sigma2);
+}
+
+// rcp.rn(k) of the counts k = 1 .. 4 ROW_NORM_MAX_STEPS a logical thread reaches, once per CTA (the same for every
+// thread and row: the element of chunk c at position i is the (4 (c / 2) + i + 1)-th of its logical thread). Taking
+// them from a table keeps the reciprocal's slow-path call out of the row loop (registers: it spilled there).
+NVFP4_DEVICE void fill_count_rcp(float* count_rcp) {
+    for (int i = threadIdx.x; i < 4 * ROW_NORM_MAX_STEPS; i += blockDim.x) count_rcp[i] = __frcp_rn((float)(i + 1));
+    __syncthreads();
+}
+
+// torch's cuWelfordCombine(dataB = b, dataA = a): b is the lower lane / warp.
+NVFP4_DEVICE Welford welford_combine(const Welford& b, const Welford& a) {
+    const float count = __fadd_rn(a.count, b.count);
+    if (!(count > 0.0f)) return Welford{0.0f, 0.0f, count};
+    const float delta = __fsub_rn(b.mean, a.mean), coef = __frcp_rn(count);
+    const float na = __fmul_rn(a.count, coef), nb = __fmul_rn(b.count, coef);
+    return Welford{__fmaf_rn(na, a.mean, __fmul_rn(nb, b.mean)),
+                   __fmaf_rn(nb, __fmul_rn(__fmul_rn(delta, delta), a.count), __fadd_rn(a.sigma2, b.sigma2)), count};
+}
+
+// Torch's logical threads 2p + j (+ 64 in odd chunks) over chunk c of element type E: 4 elements each, in order
+// (rcp: count_rcp + 4 (c / 2)).
+template <class E>
+NVFP4_DEVICE void welford_add_chunk(const u32 w[4], Welford states[2], const float* rcp) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        welford_add(states[j], E::lo(w[2 * j]), rcp[0]);
+        welford_add(states[j], E::hi(w[2 * j]), rcp[1]);
+        welford_add(states[j], E::lo(w[2 * j + 1]), rcp[2]);
+        welford_add(states[j], E::hi(w[2 * j + 1]), rcp[3]);
+    }
+}
+
+NVFP4_DEVICE Welford shfl_down_welford(const Welford& s, int offset, int width) {
+    return Welford{__shfl_down_sync(0xFFFFFFFFu, s.mean, offset, width),
+                   __shfl_down_sync(0xFFFFFFFFu, s.sigma2, offset, width),
+                   __shfl_down_sync(0xFFFFFFFFu, s.count, offset, width)};
+}
+
+// The row's statistics from the four states every lane holds (part[2 * odd + j]: logical thread 64 odd + 2p + j), in
+// every lane: the tree of half_warp_tree (offsets 16, 8, 4, 2 of torch's warps as shuffles by 8, 4, 2, 1 inside each
+// half-warp, offset 1 inside the lane), then torch's warps as in torch_rstd (lane 0 holds warps 0 and 2, lane 16
+// warps 1 and 3).
+NVFP4_DEVICE Welford torch_welford_row(Welford part[4]) {
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) part[j] = welford_combine(part[j], shfl_down_welford(part[j], off, 16));
+    }
+    const Welford even = welford_combine(part[0], part[1]), odd = welford_combine(part[2], part[3]);
+#if defined(NVFP4_PLANT_FAULT) && NVFP4_PLANT_FAULT
+    // tests of the self-check only: the warps combined in another order, (W0 + W1) + (W2 + W3), a wrong kernel it
+    // must catch
+    const Welford total = welford_combine(welford_combine(even, shfl_down_welford(even, 16, 32)),
+                                          welford_combine(odd, shfl_down_welford(odd, 16, 32)));
+#else
+    const Welford pair = welford_combine(even, odd);  // lane 0: W0 + W2, lane 16: W1 + W3
+    const Welford total = welford_combine(pair, shfl_down_welford(pair, 16, 32));
+#endif
+    return Welford{__shfl_sync(0xFFFFFFFFu, total.mean, 0), __shfl_sync(0xFFFFFFFFu, total.sigma2, 0), total.count};
+}
+
+// The next projection's input for a word of the staged (normalized) row, its amax folded into acc.
+template <class E, int Amax>
+__device__ __forceinline__ u32 layer_norm_amax(u32 acc, const u32* staged, const LayerNormParams& p, i64 m,
+                                               float mean, float rstd, u32 lane) {
+    const u32 cols = (u32)p.cols;
+    const u16* a_row = Amax == kModulatedAmax ? p.mod_scale + m * p.mod_row_stride : p.norm_weight;
+    const u16* b_row = Amax == kModulatedAmax ? p.mod_shift + m * p.mod_row_stride : p.norm_bias;
+#pragma unroll 1
+    for (int c0 = 0; c0 < ROW_NORM_CHUNKS; c0 += ROW_NORM_BATCH) {
+        u32x4 av[ROW_NORM_BATCH], bv[ROW_NORM_BATCH];
+#pragma unroll
+        for (int b = 0; b < ROW_NORM_BATCH; ++b) {  // the table loads of the batch first
+            const u32 col = 256u * (c0 + b) + 8u * lane;
+            if (c0 + b < ROW_NORM_CHUNKS && col < cols) {
+                av[b] = load_16B(a_row + col);
+                bv[b] = load_16B(b_row + col);
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < ROW_NORM_BATCH; ++b) {
+            const u32 col = 256u * (c0 + b) + 8u * lane;
+            if (c0 + b >= ROW_NORM_CHUNKS || col >= cols) continue;
+            const u32x4 xv = *reinterpret_cast<const u32x4*>(staged + 4 * (32 * (c0 + b) + lane));
+            const u32 xs[4] = {xv.x, xv.y, xv.z, xv.w}, as[4] = {av[b].x, av[b].y, av[b].z, av[b].w};
+            const u32 bs[4] = {bv[b].x, bv[b].y, bv[b].z, bv[b].w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const u32 h = Amax == kModulatedAmax
+                    ? addcmul_modulate_x2<E>(layer_norm_x2<E>(xs[i], mean, rstd), as[i], bs[i])
+                    : layer_norm_affine_x2<E>(xs[i], as[i], bs[i], mean, rstd);
+                acc = abs_bits_max_x2(acc, h);
+            }
+        }
+    }
+    return acc;
+}
+
+template <class E, int Residual, int Amax>
+__device__ __forceinline__ void layer_norm_body(const LayerNormParams& p) {
+    const u32 lane = threadIdx.x & 31;
+    const u32 cols = (u32)p.cols, rows = (u32)p.rows;
+    const u32 warps_total = gridDim.x * (blockDim.x >> 5);
+    u32 acc = 0;  // amax of |h| as 16-bit pair bit patterns (NaN above inf)
+    u32* staged = row_shared + (threadIdx.x >> 5) * ROW_NORM_STAGE_WORDS;
+    __shared__ __align__(16) float count_rcp[4 * ROW_NORM_MAX_STEPS];
+    fill_count_rcp(count_rcp);
+
+    for (u32 row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; row < rows; row += warps_total) {
+        const u16* xrow = p.x + (i64)row * p.x_row_stride;
+        u16* orow = Residual != kNoResidual ? p.out + (i64)row * p.out_row_stride : nullptr;
+        const u16* yrow = Residual != kNoResidual ? p.other + (i64)row * p.other_row_stride : nullptr;
+        const i64 m = (Residual == kGatedResidual || Amax == kModulatedAmax) ? (i64)p.mod_index[row] : 0;
+        const u16* grow = Residual == kGatedResidual ? p.gate + m * p.gate_row_stride : nullptr;
+        Welford part[4] = {{0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f}};
+#pragma unroll 1
+        for (int c0 = 0; c0 < ROW_NORM_CHUNKS; c0 += ROW_NORM_BATCH) {
+            u32x4 xv[ROW_NORM_BATCH], yv[ROW_NORM_BATCH], gv[ROW_NORM_BATCH];
+#pragma unroll
+            for (int b = 0; b < ROW_NORM_BATCH; ++b) {  // all loads of the batch first
+                const u32 col = 256u * (c0 + b) + 8u * lane;
+                if (c0 + b < ROW_NORM_CHUNKS && col < cols) {
+                    // x may be rewritten by this kernel (in place): no read-only (.nc) path then
+                    xv[b] = Residual != kNoResidual ? load_16B_coherent(xrow + col) : load_16B(xrow + col);
+                    if (Residual != kNoResidual) yv[b] = load_16B_stream(yrow + col);
+                    if (Residual == kGatedResidual) gv[b] = load_16B(grow + col);
+                }
+            }
+#pragma unroll
+            for (int b = 0; b < ROW_NORM_BATCH; ++b) {
+                const u32 col = 256u * (c0 + b) + 8u * lane;
+                if (c0 + b >= ROW_NORM_CHUNKS || col >= cols) continue;
+                u32 w[4] = {xv[b].x, xv[b].y, xv[b].z, xv[b].w};
+                if (Residual != kNoResidual) {
+                    const u32 ys[4] = {yv[b].x, yv[b].y, yv[b].z, yv[b].w}, gs[4] = {gv[b].x, gv[b].y, gv[b].z, gv[b].w};
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        w[i] = Residual == kGatedResidual
+                            ? E::pack(addcmul_f32(E::lo(w[i]), E::lo(ys[i]), E::lo(gs[i])),
+                                      addcmul_f32(E::hi(w[i]), E::hi(ys[i]), E::hi(gs[i])))
+                            : E::pack(__fadd_rn(E::lo(w[i]), E::lo(ys[i])), __fadd_rn(E::hi(w[i]), E::hi(ys[i])));
+                    }
+                    store_16B(orow + col, u32x4{w[0], w[1], w[2], w[3]});
+                }
+                welford_add_chunk<E>(w, part + 2 * (b & 1), count_rcp + 4 * ((c0 + b) >> 1));
+                if (Amax != kNoAmax) *reinterpret_cast<u32x4*>(staged + 4 * (32 * (c0 + b) + lane)) = u32x4{w[0], w[1], w[2], w[3]};
+            }
+        }
+        const Welford stats = torch_welford_row(part);
+        const float rstd = torch_rstd_of(stats.sigma2, (float)cols, p.eps);
+        if (lane == 0) {
+            p.mean[row] = stats.mean;
+            p.rstd[row] = rstd;
+        }
+        if (Amax != kNoAmax) acc = warp_running_max(layer_norm_amax<E, Amax>(acc, staged, p, m, stats.mean, rstd, lane));
+    }
+    if (Amax != kNoAmax) absmax_finish<ROW_NORM_THREADS, E>(p.out_scale, acc);
+}
+
+// ---- full-width RMSNorm, then interleaved RoPE, in place ---------------------------------------------------------
+// ComfyUI's q / k path of a block that normalizes the whole projection output and rotates adjacent pairs (Wan:
+// RMSNorm over the full width, then comfy-kitchen's apply_rope1): n = T(w * (rstd * x)) with torch's rms_norm
+// reduction (row_norm_body's mapping and tree, torch_rstd), then for each pair (2i, 2i + 1) of a head, with the
+// rotation [[f00, f01], [f10, f11]] of its position and pair (fp32), comfy-kitchen's rope kernel as compiled
+// (--use_fast_math, rms_rope.cu rope_kernel<T, float, ...>, read from its SASS for sm_90, sm_100 and sm_120):
+//     y0 = T(fma.rn.ftz(n0, f00, mul.ftz(n1, f01)))      y1 = T(fma.rn.ftz(n0, f10, mul.ftz(n1, f11)))
+// (n0, n1 widened exactly from T). Without a rope table the kernel only normalizes (a cross-attention q). One warp per
+// row (q rows, then k rows), the row staged in shared memory between the reduction and the output pass; one read and
+// one write of each element.
+struct RmsRopeRowParams {
+    u16* q;               // [rows, cols], updated in place
+    i64 q_row_stride;
+    u16* k;               // the same for k (nullptr: q only)
+    i64 k_row_stride;
+    i64 rows;
+    i64 cols;             // a multiple of 16, at most 512 * ROW_NORM_MAX_STEPS
+    const u16* q_weight;  // [cols]
+    const u16* k_weight;
+    float eps;
+    const float* freqs;   // rope: fp32 [positions, head_dim / 2, 2, 2] (the rotation of each position and pair)
+    i64 positions;        // tokens of one batch item: row r rotates with position r % positions
+    i32 head_dim;         // a multiple of 8 dividing cols
+};
+
+struct alignas(16) f32x4 { float x, y, z, w; };
+
+template <class E>
+NVFP4_DEVICE u32 rope_pair_x2(u32 n, const f32x4& f) {
+    const float n0 = E::lo(n), n1 = E::hi(n);
+    float y0, y1;
+    asm("{ .reg .f32 t;\n"
+        "  mul.ftz.f32 t, %2, %4;\n"
+        "  fma.rn.ftz.f32 %0, %1, %3, t; }" : "=f"(y0) : "f"(n0), "f"(n1), "f"(f.x), "f"(f.y));
+    asm("{ .reg .f32 t;\n"
+        "  mul.ftz.f32 t, %2, %4;\n"
+        "  fma.rn.ftz.f32 %0, %1, %3, t; }" : "=f"(y1) : "f"(n0), "f"(n1), "f"(f.z), "f"(f.w));
+    return E::pack(y0, y1);
+}
+
+template <class E, bool Rope>
+__device__ __forceinline__ void rms_norm_rows_body(const RmsRopeRowParams& p) {
+    const u32 lane = threadIdx.x & 31;
+    const u32 cols = (u32)p.cols, rows = (u32)p.rows, units = p.k != nullptr ? 2 * rows : rows;
+    const u32 warps_total = gridDim.x * (blockDim.x >> 5);
+    u32* staged = row_shared + (threadIdx.x >> 5) * ROW_NORM_STAGE_WORDS;
+
+    for (u32 unit = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; unit < units; unit += warps_total) {
+        const bool is_k = unit >= rows;
+        const u32 row = is_k ? unit - rows : unit;
+        u16* xrow = is_k ? p.k + (i64)row * p.k_row_stride : p.q + (i64)row * p.q_row_stride;
+        const u16* weight = is_k ? p.k_weight : p.q_weight;
+        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 1
+        for (int c0 = 0; c0 < ROW_NORM_CHUNKS; c0 += ROW_NORM_BATCH) {
+            u32x4 xv[ROW_NORM_BATCH];
+#pragma unroll
+            for (int b = 0; b < ROW_NORM_BATCH; ++b) {
+                const u32 col = 256u * (c0 + b) + 8u * lane;
+                if (c0 + b < ROW_NORM_CHUNKS && col < cols) xv[b] = load_16B_coherent(xrow + col);  // rewritten below
+            }
+#pragma unroll
+            for (int b = 0; b < ROW_NORM_BATCH; ++b) {
+                const u32 col = 256u * (c0 + b) + 8u * lane;
+                if (c0 + b >= ROW_NORM_CHUNKS || col >= cols) continue;
+                const u32 w[4] = {xv[b].x, xv[b].y, xv[b].z, xv[b].w};
+                add_squares<E>(w, part + 2 * (b & 1));
+                *reinterpret_cast<u32x4*>(staged + 4 * (32 * (c0 + b) + lane)) = xv[b];
+            }
+        }
+        const float rstd = torch_rstd(part, (float)cols, p.eps);
+        const f32x4* rotation = Rope ? reinterpret_cast<const f32x4*>(p.freqs) + (i64)(row % (u32)p.positions) * (p.head_dim / 2)
+                                     : nullptr;
+#pragma unroll 1
+        for (int c0 = 0; c0 < ROW_NORM_CHUNKS; c0 += ROW_NORM_BATCH) {
+            u32x4 wv[ROW_NORM_BATCH];
+            f32x4 fv[ROW_NORM_BATCH][4];
+#pragma unroll
+            for (int b = 0; b < ROW_NORM_BATCH; ++b) {
+                const u32 col = 256u * (c0 + b) + 8u * lane;
+                if (c0 + b < ROW_NORM_CHUNKS && col < cols) {
+                    wv[b] = load_16B(weight + col);
+                    if (Rope) {
+                        const f32x4* f = rotation + (col % (u32)p.head_dim) / 2;  // 4 pairs of one head
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const u32x4 raw = load_16B(f + i);
+                            fv[b][i] = f32x4{__uint_as_float(raw.x), __uint_as_float(raw.y), __uint_as_float(raw.z),
+                                             __uint_as_float(raw.w)};
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int b = 0; b < ROW_NORM_BATCH; ++b) {
+                const u32 col = 256u * (c0 + b) + 8u * lane;
+                if (c0 + b >= ROW_NORM_CHUNKS || col >= cols) continue;
+                const u32x4 xv = *reinterpret_cast<const u32x4*>(staged + 4 * (32 * (c0 + b) + lane));
+                const u32 xs[4] = {xv.x, xv.y, xv.z, xv.w}, ws[4] = {wv[b].x, wv[b].y, wv[b].z, wv[b].w};
+                u32 y[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    y[i] = rms_norm_x2<E>(xs[i], ws[i], rstd);
+                    if (Rope) y[i] = rope_pair_x2<E>(y[i], fv[b][i]);
+                }
+                store_16B(xrow + col, u32x4{y[0], y[1], y[2], y[3]});
+            }
+        }
+    }
+}
+
+// Entry points of the LayerNorm statistics (bf16; _f16: fp16), by residual (none, gated_residual_, add_residual_) and
+// amax (none, of the modulated normalized rows, of the norm with its affine parameters), and of the full-width
+// RMSNorm (+ interleaved RoPE).
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_layer_norm_stats(const LayerNormParams p) { layer_norm_body<Bf16, kNoResidual, kNoAmax>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_layer_norm_modulated_amax(const LayerNormParams p) { layer_norm_body<Bf16, kNoResidual, kModulatedAmax>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_layer_norm_affine_amax(const LayerNormParams p) { layer_norm_body<Bf16, kNoResidual, kAffineAmax>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_gated_residual_layer_norm_stats(const LayerNormParams p) { layer_norm_body<Bf16, kGatedResidual, kNoAmax>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_gated_residual_layer_norm_modulated_amax(const LayerNormParams p) { layer_norm_body<Bf16, kGatedResidual, kModulatedAmax>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_gated_residual_layer_norm_affine_amax(const LayerNormParams p) { layer_norm_body<Bf16, kGatedResidual, kAffineAmax>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_add_residual_layer_norm_stats(const LayerNormParams p) { layer_norm_body<Bf16, kAddResidual, kNoAmax>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_add_residual_layer_norm_modulated_amax(const LayerNormParams p) { layer_norm_body<Bf16, kAddResidual, kModulatedAmax>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_add_residual_layer_norm_affine_amax(const LayerNormParams p) { layer_norm_body<Bf16, kAddResidual, kAffineAmax>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_layer_norm_stats_f16(const LayerNormParams p) { layer_norm_body<F16, kNoResidual, kNoAmax>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_layer_norm_modulated_amax_f16(const LayerNormParams p) { layer_norm_body<F16, kNoResidual, kModulatedAmax>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_layer_norm_affine_amax_f16(const LayerNormParams p) { layer_norm_body<F16, kNoResidual, kAffineAmax>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_gated_residual_layer_norm_stats_f16(const LayerNormParams p) { layer_norm_body<F16, kGatedResidual, kNoAmax>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_gated_residual_layer_norm_modulated_amax_f16(const LayerNormParams p) { layer_norm_body<F16, kGatedResidual, kModulatedAmax>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_gated_residual_layer_norm_affine_amax_f16(const LayerNormParams p) { layer_norm_body<F16, kGatedResidual, kAffineAmax>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_add_residual_layer_norm_stats_f16(const LayerNormParams p) { layer_norm_body<F16, kAddResidual, kNoAmax>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_add_residual_layer_norm_modulated_amax_f16(const LayerNormParams p) { layer_norm_body<F16, kAddResidual, kModulatedAmax>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_add_residual_layer_norm_affine_amax_f16(const LayerNormParams p) { layer_norm_body<F16, kAddResidual, kAffineAmax>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_rms_norm_rope(const RmsRopeRowParams p) { rms_norm_rows_body<Bf16, true>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_rms_norm_rows(const RmsRopeRowParams p) { rms_norm_rows_body<Bf16, false>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_rms_norm_rope_f16(const RmsRopeRowParams p) { rms_norm_rows_body<F16, true>(p); }
+extern "C" __global__ void __launch_bounds__(ROW_NORM_THREADS) fused_rms_norm_rows_f16(const RmsRopeRowParams p) { rms_norm_rows_body<F16, false>(p); }
 
 // ---- entry points (one name per variant; kernels/runtime.py looks them up by name) -------------------------
 
