@@ -377,7 +377,8 @@ def pack_nvfp4(
             :func:`norm_statistics` / :func:`gated_residual_` earlier on the stream).
             Neither: the dynamic scale ``dtype(amax|h| / 2688)`` is computed here in one extra launch.
         weight_scale_2: fp32 one-element device tensor; the pack then writes the GEMM alpha (activation scale x
-            weight scale) next to the global scale, so no follow-up launch computes it.
+            weight scale, dynamic, precomputed or static) next to the global scale, so no follow-up launch computes
+            it and nothing holds a product of an earlier call.
         modulation / norm / swiglu: the source (module docstring).
         prescale: ``[K]`` contiguous, in x's dtype: ``h = x * prescale`` (torch's bf16 or fp16 multiply), a Linear's
             ``pre_quant_scale`` cast to the activation dtype as ComfyUI's NVFP4 Linear casts it. Plain rows only.
@@ -424,7 +425,7 @@ def pack_nvfp4(
         grid = max(1, min(-(-chunks // (threads * items)), mod.sm_count * per_sm))
         mod.launch(f"nvfp4_absmax_{variant}{suffix}", grid, threads, params, stream)
         global_scale = scalars[0:1]
-    want_alpha = weight_scale_2 is not None and static_scale is None
+    want_alpha = weight_scale_2 is not None
     kernel, threads, shared = f"nvfp4_pack_{variant}{suffix}", LAUNCH["PACK_THREADS"], 0
     units = _pack_units(variant, rows128, groups)
     grid = max(1, min(-(-units // (threads // 32)), mod.sm_count * 64))  # a warp per unit
