@@ -7,12 +7,15 @@ the gated residual against ``_mod_gate``, the RMSNorm + RoPE kernel against comf
 
 The block check (:func:`check_block`, at the first forward of a patched model): the first patched block runs
 ComfyUI's stock block and the fused block on (a prefix of) that call's real input and compares the outputs; that
-call returns the stock result. One host sync, on that call only, never during CUDA-graph capture.
+call returns the stock result. One host sync, on that call only, never during CUDA-graph capture. An input that
+proves nothing (ComfyUI's output not all finite, or all zeros: :func:`proves_nothing`) leaves the check pending for
+the next call; nothing is stored then.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
@@ -21,6 +24,8 @@ from ...core import verdicts
 from ...core.probes import comfy_quantized, compare_packed, first_difference, probe_activations, static_scale
 from ...core.verdicts import NotApplicable, ProbeSet
 from ...layout import Modulation, RmsNorm
+
+log = logging.getLogger("h3_fused_nvfp4")
 
 
 def _h3():
@@ -187,9 +192,9 @@ H3_PROBES = ProbeSet(
 
 @dataclasses.dataclass
 class BlockVerdict:
-    ok: bool
+    ok: bool | None  # None: inconclusive, the input proved nothing (:func:`proves_nothing`); a later call checks
     detail: str
-    compared: bool = True  # False: the check could not run (e.g. out of memory); nothing is cached then
+    compared: bool = True  # False: the check could not run (e.g. out of memory) or was inconclusive; nothing cached
 
 
 def clip_segments(segments, rows: int) -> list:
@@ -202,9 +207,24 @@ def clip_segments(segments, rows: int) -> list:
     return clipped
 
 
+def proves_nothing(stock: torch.Tensor) -> str | None:
+    """Why equal outputs of the stock and the fused block would prove nothing about the fused arithmetic (None: a
+    meaningful comparison). Meaningful means every element of ComfyUI's output is a finite number and not all of
+    them are zero: a NaN or inf (a non-finite input, an overflow) reaches every later op of both blocks (the row's
+    RMSNorm, attention over all rows), so both outputs are NaN / inf whatever the fused roundings do, and an output
+    of zeros only exercises no rounding."""
+    finite = torch.isfinite(stock)
+    if not bool(finite.all()):
+        return f"ComfyUI's block output has {int((~finite).sum())} non-finite elements of {stock.numel()}"
+    if not bool(stock.any()):
+        return "ComfyUI's block output is all zeros"
+    return None
+
+
 def check_block(fused_block, x, t_emb, mod_segments, rope_freqs, options: dict, max_rows: int,
                 plan=None) -> BlockVerdict:
-    """ComfyUI's stock block against the fused block on the first ``max_rows`` rows of this call's input."""
+    """ComfyUI's stock block against the fused block on the first ``max_rows`` rows of this call's input;
+    inconclusive (``ok`` None) when that input proves nothing (:func:`proves_nothing`)."""
     rows = min(x.shape[0], max_rows)
     segments = clip_segments(mod_segments, rows)
     rope = rope_freqs[:, :rows] if rope_freqs is not None else None
@@ -213,6 +233,10 @@ def check_block(fused_block, x, t_emb, mod_segments, rope_freqs, options: dict, 
     for attempt in range(2):  # a first call can differ inside ComfyUI's emulated GEMM path: compare a second time
         with fused_block.unpatched():
             stock = fused_block.stock_forward(xs.clone(), t_emb, segments, rope, transformer_options=dict(options))
+        reason = proves_nothing(stock)
+        if reason is not None:
+            return BlockVerdict(None, f"{fused_block.name}: not compared on this input ({reason}); the check runs "
+                                      "again on the next call", compared=False)
         fused = fused_block.fused_forward(xs.clone(), t_emb, segments, rope, dict(options), None, handoff=False,
                                           plan=plan)
         detail = first_difference(f"{fused_block.name} output ({rows} rows)", fused, stock)
@@ -224,7 +248,10 @@ def check_block(fused_block, x, t_emb, mod_segments, rope_freqs, options: dict, 
 
 def record_block_verdict(state, device: torch.device, verdict: BlockVerdict) -> None:
     """Keep the outcome with the model's state and the device's verdicts; show it on the node that patched the
-    model."""
+    model. An inconclusive check changes nothing: the check stays pending."""
+    if verdict.ok is None:
+        log.info("H3 fused NVFP4: block self-check %s; this call runs ComfyUI's block", verdict.detail)
+        return
     state.block_check = "passed" if verdict.ok else "failed"
     state.block_check_detail = verdict.detail
     verdicts.record_block_verdict(device, verdict.ok, verdict.detail, verdict.compared)
