@@ -6,12 +6,14 @@
 * :func:`save_with_input_scales` - an H3 checkpoint unchanged plus an fp32 ``{layer}.input_scale`` (the static
   activation scale ComfyUI's NVFP4 Linear quantizes its input with) for chosen NVFP4 layers;
 * :func:`inspect_checkpoint` / :func:`select_layers` - what the file holds, read from its header and tags only;
-* :func:`write_safetensors` - the streaming writer both use.
+* :func:`save_calibrated` - Save Calibrated's pair: the checkpoint with input scales and its statistics file.
 
 Memory and safety: the source is read one tensor at a time (``safetensors.safe_open``), the destination is written
-tensor by tensor after a header planned from names, dtypes and shapes, into a temporary file beside it that is
-fsynced and renamed over the destination only once complete. Any failure (a refusal, an exception, a full disk,
-an interrupt) removes the temporary file: no partial checkpoint is ever left where ComfyUI would list it.
+tensor by tensor after a header planned from names, dtypes and shapes, into a hidden temporary file beside it that
+is fsynced and moved over the destination only once complete (core/safetensors_io.py: the destination's name
+always holds a complete file, and the leftovers of a killed writer are removed by the next write into the folder).
+Any failure (a refusal, an exception, a full disk, an interrupt) removes the temporary file: no partial checkpoint
+is ever left where ComfyUI would list it.
 
 How ComfyUI reads the layers, which this module follows by calling ComfyUI rather than re-implementing it:
 
@@ -38,7 +40,6 @@ import dataclasses
 import json
 import math
 import os
-import pathlib
 import re
 import time
 from typing import Iterable, Mapping, Sequence
@@ -54,12 +55,11 @@ from ...core.safetensors_io import (
     CheckpointRefused,
     PlannedTensor,
     Progress,
+    StagedWrite,
+    check_destination,
     check_metadata,
     file_order,
-    replace_together,
-    write_bytes_partial,
     write_safetensors,
-    write_safetensors_partial,
 )
 from ...layout import NVFP4_LAYOUT, packed_shapes
 from .structure import LINEAR_PATHS
@@ -245,21 +245,24 @@ def save_with_input_scales(source_path, dest_path, input_scales: Mapping[str, fl
     """Copy an H3 checkpoint with an fp32 scalar ``{layer}.input_scale`` for each NVFP4 layer of ``input_scales``
     (layer names as in the file or relative to the model; an existing input scale of the layer is replaced).
     The file's metadata is kept, ``metadata`` merged into it. Returns a report."""
-    return _with_input_scales(source_path, dest_path, input_scales, metadata, progress, overwrite, partial=False)
+    dest = os.path.abspath(os.fspath(dest_path))
+    _refuse_same_file(os.path.abspath(os.fspath(source_path)), dest)
+    with StagedWrite(check_destination(dest, overwrite)) as staged:
+        report = _stage_with_input_scales(staged, source_path, dest, input_scales, metadata, progress, overwrite)
+        staged.commit(overwrite)
+    return report
 
 
-def _with_input_scales(source_path, dest_path, input_scales, metadata, progress, overwrite, *, partial: bool) -> dict:
-    """:func:`save_with_input_scales`; ``partial``: stop before the rename, the report's ``partial`` is the
-    complete temporary file (the caller renames or removes it)."""
+def _stage_with_input_scales(staged: StagedWrite, source_path, dest: str, input_scales, metadata, progress,
+                             overwrite) -> dict:
+    """:func:`save_with_input_scales` up to the move into place: the complete file staged in ``staged``."""
     started = time.monotonic()
     source = os.path.abspath(os.fspath(source_path))
-    dest = os.path.abspath(os.fspath(dest_path))
     _refuse_same_file(source, dest)
     metadata = dict(metadata or {})
     check_metadata(metadata)
     if not input_scales:
         raise CheckpointRefused("no input scales given")
-    tmp = None
     with _open(source) as handle:
         info = _inspect(handle, source)
         nvfp4 = [layer for layer, fmt in info.layer_formats.items() if fmt == NVFP4_FORMAT]
@@ -267,15 +270,11 @@ def _with_input_scales(source_path, dest_path, input_scales, metadata, progress,
         replaced = {f"{layer}.input_scale" for layer in scales} & info.tensors.keys()
         planned = [_copied(handle, info, name) for name in info.tensors if name not in replaced]
         planned += [_scalar(f"{layer}.input_scale", scale) for layer, scale in scales.items()]
-        if partial:
-            tmp, size = write_safetensors_partial(dest, file_order(planned, []), {**info.metadata, **metadata},
-                                                  progress=progress, overwrite=overwrite)
-        else:
-            size = write_safetensors(dest, file_order(planned, []), {**info.metadata, **metadata},
-                                     progress=progress, overwrite=overwrite)
+        size = staged.stage_safetensors(dest, file_order(planned, []), {**info.metadata, **metadata},
+                                        progress=progress, overwrite=overwrite)
     return {"dest": dest, "input_scales": {info.relative(layer): scale for layer, scale in scales.items()},
             "replaced": sorted(info.relative(name[:-len(".input_scale")]) for name in replaced),
-            "tensors": len(planned), "bytes": size, "seconds": time.monotonic() - started, "partial": tmp}
+            "tensors": len(planned), "bytes": size, "seconds": time.monotonic() - started}
 
 
 def _refuse_same_file(source: str, dest: str) -> None:
@@ -458,12 +457,32 @@ def checkpoint_file_name(filename: str) -> str:
     return filename
 
 
+def statistics_file_name(filename: str) -> str:
+    """The statistics file Save Calibrated writes beside checkpoint ``filename``: its name without the extension
+    + ``.calibration.json``."""
+    return filename.rsplit(".", 1)[0] + ".calibration.json"
+
+
+def _refuse_shared_statistics(folder: str, filename: str) -> None:
+    """Another checkpoint in ``folder`` (``x.sft`` beside ``x.safetensors``) has the same statistics file name: one
+    save would overwrite the other's statistics."""
+    stats = statistics_file_name(filename)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for other in sorted(names):
+        if other != filename and other.lower().endswith(CHECKPOINT_SUFFIXES) and statistics_file_name(other) == stats:
+            raise ValueError(f"{filename}: its statistics file {stats} is also the statistics file of {other}; "
+                             "choose another name")
+
+
 def save_calibrated(recorder, source: str, unet_name: str, filename: str, headroom: float, statistic: str,
                     overwrite: bool, progress: Progress | None = None) -> str:
     """Write ``filename`` beside ``source`` (the checkpoint ``unet_name`` the model was loaded from): its tensors
     unchanged + the recorded input scales, and the statistics as JSON beside it. Both files or neither: both are
-    written completely under temporary names first, then renamed into place together; an overwritten pair is kept
-    aside until the new one is in place and put back on a failure. Returns the summary line."""
+    written completely under temporary names first, then moved into place together (the statistics first, kept
+    aside until the checkpoint is in place: core/safetensors_io.py). Returns the summary line."""
     filename = checkpoint_file_name(filename)
     if recorder is None or not recorder.layers:
         raise ValueError("no calibration data: connect the MODEL that went through 'Calibrate H3 NVFP4 Scales' "
@@ -474,24 +493,21 @@ def save_calibrated(recorder, source: str, unet_name: str, filename: str, headro
                          "run the whole sampling with the calibrating model first")
     stats = recorder.statistics()
     scales = calibration.input_scales(stats, headroom, statistic)
-    folder = os.path.dirname(source)  # the models/diffusion_models folder the source was found in
+    folder = os.path.dirname(os.path.abspath(source))  # the models/diffusion_models folder the source was found in
     dest = os.path.join(folder, filename)
-    stats_path = pathlib.Path(dest.rsplit(".", 1)[0] + ".calibration.json")
-    if stats_path.exists() and not overwrite:
-        raise ValueError(f"{stats_path} exists; choose another name or enable overwrite")
+    stats_path = os.path.join(folder, statistics_file_name(filename))
+    _refuse_same_file(os.path.abspath(source), dest)
+    _refuse_shared_statistics(folder, filename)
+    for path in (stats_path, dest):  # before anything is written
+        check_destination(path, overwrite)
     summary = {"source": unet_name, "headroom": headroom, "statistic": statistic}
     metadata = {"h3_fused_nvfp4.calibration": _json_text(
         {**summary, "layers": {k: {key: v[key] for key in ("amax", "calls", *calibration.STATISTICS[1:])}
                                for k, v in stats.items()}})}
-    report = _with_input_scales(source, dest, scales, metadata, progress, overwrite, partial=True)
-    stats_tmp = None
-    try:
-        stats_tmp = write_bytes_partial(stats_path, _json_text({**summary, "layers": stats}, indent=1).encode())
-        replace_together([(report["partial"], dest), (stats_tmp, str(stats_path))], overwrite)
-    except BaseException:
-        for tmp in (report["partial"], stats_tmp):
-            if tmp is not None and os.path.lexists(tmp):
-                os.unlink(tmp)
-        raise
+    with StagedWrite(folder) as staged:
+        staged.stage_bytes(stats_path, _json_text({**summary, "layers": stats}, indent=1).encode(),
+                           overwrite=overwrite)
+        report = _stage_with_input_scales(staged, source, dest, scales, metadata, progress, overwrite)
+        staged.commit(overwrite)
     return (f"H3 fused NVFP4: wrote {os.path.basename(dest)} with a static input_scale for {len(scales)} layers "
-            f"({statistic} x {headroom}); statistics in {stats_path.name}; {report['seconds']:.1f} s")
+            f"({statistic} x {headroom}); statistics in {os.path.basename(stats_path)}; {report['seconds']:.1f} s")
