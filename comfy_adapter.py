@@ -194,6 +194,21 @@ def load_diffusion_model(path: str, model_options: dict):
     return comfy.sd.load_diffusion_model(path, model_options=model_options)
 
 
+def diffusion_model_source(model_patcher) -> str | None:
+    """The file a model was loaded from by ComfyUI's ``load_diffusion_model`` (its *Load Diffusion Model* and this
+    pack's Loader), as ComfyUI records it for reloading the model (``cached_patcher_init``; clones keep it), or None
+    where ComfyUI does not say (another loader, an older ComfyUI)."""
+    init = getattr(model_patcher, "cached_patcher_init", None)
+    try:
+        import comfy.sd
+
+        if init and init[0] is comfy.sd.load_diffusion_model and isinstance(init[1][0], str):
+            return init[1][0]
+    except (ImportError, AttributeError, IndexError, TypeError):
+        pass
+    return None
+
+
 def progress_bar(total: int):
     import comfy.utils
 

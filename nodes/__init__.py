@@ -217,7 +217,8 @@ class H3FusedNVFP4SaveCalibrated(io.ComfyNode):
                 io.Latent.Input("samples", optional=True,
                                 tooltip="The sampler's output: connect it so this node runs after the sampling."),
                 io.Combo.Input("unet_name", options=comfy_adapter.diffusion_model_names(),
-                               tooltip="The checkpoint the model was loaded from (its tensors are copied)."),
+                               tooltip="The checkpoint the model was loaded from (its tensors are copied); "
+                                       "another file is refused."),
                 io.String.Input("filename", default="h3_nvfp4_calibrated.safetensors",
                                 tooltip="New file name in models/diffusion_models."),
                 io.Float.Input("headroom", default=1.0, min=0.5, max=4.0, step=0.05,

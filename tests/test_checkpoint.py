@@ -442,11 +442,13 @@ def test_script_refuses_in_one_line(tmp_path, sources, capsys, case, calibration
 # ---- Save Calibrated's two files ---------------------------------------------------------------------------
 
 class RecordedStatistics:
-    """Stands in for a CalibrationRecorder after sampling: every block projection called, fixed amax values."""
+    """Stands in for a CalibrationRecorder after sampling: every NVFP4 layer called, fixed amax values; the model's
+    source file unknown (a loader that does not say)."""
 
-    def __init__(self, layers=tuple(BLOCK_LAYERS), amax=2.0):
+    def __init__(self, layers=tuple(BLOCK_LAYERS + REFINER_LAYERS), amax=2.0):
         self.layers = {name: None for name in layers}
         self.amax = amax
+        self.source = None
 
     def missing(self):
         return []
@@ -548,6 +550,31 @@ def test_save_calibrated_without_overwrite_keeps_a_lone_statistics_file(models_f
     with pytest.raises(ValueError, match="exists"):
         save_calibrated(models_folder, "calibrated.safetensors")
     assert folder_bytes(models_folder) == before
+
+
+@pytest.mark.parametrize("layers, message", [(BLOCK_LAYERS + REFINER_LAYERS[:-1], "were not recorded"),
+                                             (BLOCK_LAYERS + REFINER_LAYERS + ["blocks.2.mlp.fc1"], "not in")])
+def test_save_calibrated_refuses_a_checkpoint_with_other_nvfp4_layers(models_folder, layers, message):
+    """Where ComfyUI does not say which file the model came from, the checkpoint's NVFP4 layers must be the recorded
+    ones: a deeper (or shallower) checkpoint is another model."""
+    before = folder_bytes(models_folder)
+    with pytest.raises(ValueError, match=message):
+        checkpoint.save_calibrated(RecordedStatistics(layers), str(models_folder / "h3_nvfp4.safetensors"),
+                                   "h3_nvfp4.safetensors", "calibrated.safetensors", 1.0, "max", False)
+    assert folder_bytes(models_folder) == before
+
+
+def test_save_calibrated_refuses_another_file_than_the_models_source(models_folder):
+    shutil.copy(models_folder / "h3_nvfp4.safetensors", models_folder / "copy.safetensors")
+    recorded = RecordedStatistics()
+    recorded.source = str(models_folder / "copy.safetensors")
+    with pytest.raises(ValueError, match="loaded from copy.safetensors"):
+        checkpoint.save_calibrated(recorded, str(models_folder / "h3_nvfp4.safetensors"), "h3_nvfp4.safetensors",
+                                   "calibrated.safetensors", 1.0, "max", False)
+    recorded.source = str(models_folder / "h3_nvfp4.safetensors")
+    assert "wrote calibrated.safetensors" in checkpoint.save_calibrated(
+        recorded, str(models_folder / "h3_nvfp4.safetensors"), "h3_nvfp4.safetensors", "calibrated.safetensors", 1.0,
+        "max", False)
 
 
 def test_save_calibrated_never_shares_a_statistics_file_between_two_checkpoints(models_folder):
@@ -722,7 +749,7 @@ def test_an_overwriting_save_killed_mid_way_never_hides_the_checkpoint(models_fo
     save_calibrated(models_folder, "calibrated.safetensors", amax=2.0)
     old = folder_bytes(models_folder)
     env = dict(os.environ, COMFYUI_PATH=str(ch.comfy().root), H3_FUSED_NVFP4_SELFCHECK="skip")
-    script = KILLED_SAVE.format(root=str(REPO_ROOT), n=n, layers=BLOCK_LAYERS,
+    script = KILLED_SAVE.format(root=str(REPO_ROOT), n=n, layers=BLOCK_LAYERS + REFINER_LAYERS,
                                 source=str(models_folder / "h3_nvfp4.safetensors"))
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)

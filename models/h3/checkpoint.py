@@ -254,8 +254,10 @@ def save_with_input_scales(source_path, dest_path, input_scales: Mapping[str, fl
 
 
 def _stage_with_input_scales(staged: StagedWrite, source_path, dest: str, input_scales, metadata, progress,
-                             overwrite) -> dict:
-    """:func:`save_with_input_scales` up to the move into place: the complete file staged in ``staged``."""
+                             overwrite, every_nvfp4_layer: bool = False) -> dict:
+    """:func:`save_with_input_scales` up to the move into place: the complete file staged in ``staged``.
+    ``every_nvfp4_layer``: refuse unless ``input_scales`` names exactly the source's NVFP4 layers (scales recorded
+    on the model loaded from that file: any other set is another model's)."""
     started = time.monotonic()
     source = os.path.abspath(os.fspath(source_path))
     _refuse_same_file(source, dest)
@@ -266,6 +268,8 @@ def _stage_with_input_scales(staged: StagedWrite, source_path, dest: str, input_
     with _open(source) as handle:
         info = _inspect(handle, source)
         nvfp4 = [layer for layer, fmt in info.layer_formats.items() if fmt == NVFP4_FORMAT]
+        if every_nvfp4_layer:
+            _refuse_other_layers(info, input_scales, nvfp4)
         scales = _resolve_input_scales(info, input_scales, nvfp4)
         replaced = {f"{layer}.input_scale" for layer in scales} & info.tensors.keys()
         planned = [_copied(handle, info, name) for name in info.tensors if name not in replaced]
@@ -275,6 +279,17 @@ def _stage_with_input_scales(staged: StagedWrite, source_path, dest: str, input_
     return {"dest": dest, "input_scales": {info.relative(layer): scale for layer, scale in scales.items()},
             "replaced": sorted(info.relative(name[:-len(".input_scale")]) for name in replaced),
             "tensors": len(planned), "bytes": size, "seconds": time.monotonic() - started}
+
+
+def _refuse_other_layers(info: CheckpointInfo, recorded: Mapping[str, float], nvfp4: Sequence[str]) -> None:
+    in_file = {info.relative(layer) for layer in nvfp4}
+    unrecorded = sorted(in_file - set(recorded), key=_natural_key)
+    foreign = sorted(set(recorded) - in_file, key=_natural_key)
+    if unrecorded or foreign:
+        what = (f"{len(unrecorded)} of its NVFP4 layers were not recorded (e.g. {unrecorded[0]})" if unrecorded else
+                f"{len(foreign)} recorded layers are not in it (e.g. {foreign[0]})")
+        raise CheckpointRefused(f"{os.path.basename(info.path)} is not the checkpoint the calibrated model was loaded "
+                                f"from: {what}; choose the model's own file as unet_name")
 
 
 def _refuse_same_file(source: str, dest: str) -> None:
@@ -491,6 +506,10 @@ def save_calibrated(recorder, source: str, unet_name: str, filename: str, headro
     if never:
         raise ValueError(f"{len(never)} NVFP4 layers were never called while recording (e.g. {never[0]}); "
                          "run the whole sampling with the calibrating model first")
+    known = getattr(recorder, "source", None)
+    if known is not None and not _same_path(known, source):
+        raise ValueError(f"the calibrated model was loaded from {os.path.basename(known)}, not {unet_name}: its input "
+                         f"scales go into a copy of its own file; choose {os.path.basename(known)} as unet_name")
     stats = recorder.statistics()
     scales = calibration.input_scales(stats, headroom, statistic)
     folder = os.path.dirname(os.path.abspath(source))  # the models/diffusion_models folder the source was found in
@@ -507,7 +526,18 @@ def save_calibrated(recorder, source: str, unet_name: str, filename: str, headro
     with StagedWrite(folder) as staged:
         staged.stage_bytes(stats_path, _json_text({**summary, "layers": stats}, indent=1).encode(),
                            overwrite=overwrite)
-        report = _stage_with_input_scales(staged, source, dest, scales, metadata, progress, overwrite)
+        report = _stage_with_input_scales(staged, source, dest, scales, metadata, progress, overwrite,
+                                          every_nvfp4_layer=True)
         staged.commit(overwrite)
+    unknown = ("" if known is not None else " (ComfyUI did not say which file the model was loaded from: only its "
+               "NVFP4 layer names were checked against that file)")
     return (f"H3 fused NVFP4: wrote {os.path.basename(dest)} with a static input_scale for {len(scales)} layers "
-            f"({statistic} x {headroom}); statistics in {os.path.basename(stats_path)}; {report['seconds']:.1f} s")
+            f"({statistic} x {headroom}); statistics in {os.path.basename(stats_path)}; {report['seconds']:.1f} s"
+            + unknown)
+
+
+def _same_path(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them is gone
+        return os.path.normcase(os.path.abspath(a)) == os.path.normcase(os.path.abspath(b))
