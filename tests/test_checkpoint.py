@@ -360,6 +360,54 @@ def test_refusals_leave_no_file(tmp_path, sources, monkeypatch, case):
     assert (tmp_path / "existing.safetensors").read_bytes() == b"keep me"
 
 
+def with_fc2_weight(tmp_path, name: str, make) -> str:
+    """The bf16 source with blocks.1.mlp.fc2's weight replaced by ``make(weight)``."""
+    sd = bf16_state_dict()
+    sd["blocks.1.mlp.fc2.weight"] = make(sd["blocks.1.mlp.fc2.weight"])
+    return write(tmp_path / name, sd)
+
+
+def _poke(value):
+    def make(weight):
+        weight = weight.clone()
+        weight[3, 5] = value
+        return weight
+    return make
+
+
+BAD_WEIGHTS = {
+    # ComfyUI's quantizer gives weight_scale_2 = 0 and every output of the layer NaN
+    "all zeros": (torch.zeros_like, "blocks.1.mlp.fc2: its weight is all zeros"),
+    "a NaN": (_poke(float("nan")), "blocks.1.mlp.fc2: its weight has 1 NaN"),
+    "an inf": (_poke(float("inf")), "blocks.1.mlp.fc2: its weight has 1 infinite"),
+    "no rows": (lambda w: w[:0], "blocks.1.mlp.fc2 has a weight of shape \\[0, "),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_WEIGHTS))
+def test_a_weight_nvfp4_cannot_hold_is_refused_and_nothing_is_left(tmp_path, case):
+    make, message = BAD_WEIGHTS[case]
+    sources_dir = tmp_path / "sources"
+    sources_dir.mkdir()
+    source = with_fc2_weight(sources_dir, "bad.safetensors", make)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(checkpoint.CheckpointRefused, match=message) as refused:
+        checkpoint.convert_to_nvfp4(source, out / "x.safetensors")
+    assert "--layers" in str(refused.value) or case == "no rows"
+    assert os.listdir(out) == []
+
+
+def test_a_destination_that_is_a_folder_is_refused_before_writing(tmp_path, sources, monkeypatch):
+    (tmp_path / "x.safetensors").mkdir()
+    written = []
+    real = safetensors_io._write_bytes
+    monkeypatch.setattr(safetensors_io, "_write_bytes", lambda handle, data: (written.append(1), real(handle, data)))
+    with pytest.raises(checkpoint.CheckpointRefused, match="is a folder"):
+        checkpoint.convert_to_nvfp4(sources["bf16"], tmp_path / "x.safetensors", overwrite=True)
+    assert written == [] and os.listdir(tmp_path) == ["x.safetensors"]
+
+
 # ---- the command line --------------------------------------------------------------------------------------
 
 def run_script(*args):

@@ -320,7 +320,9 @@ class _NVFP4Layer:
 
     def _take(self, suffix: str) -> torch.Tensor:
         if self._entries is None:
-            entries = nvfp4_checkpoint_entries(self.layer, self._bf16_weight(), self.input_scale)
+            weight = self._bf16_weight()
+            _refuse_unrepresentable(self.info.relative(self.layer), weight)
+            entries = nvfp4_checkpoint_entries(self.layer, weight, self.input_scale)
             del entries[f"{self.layer}.comfy_quant"]  # written with the other 1-byte tensors
             self._entries = {k: v.to("cpu") for k, v in entries.items()}
         return self._entries.pop(f"{self.layer}.{suffix}")  # dropped once written
@@ -339,6 +341,24 @@ class _NVFP4Layer:
         return quantized.dequantize()  # the device's arithmetic (module docstring)
 
 
+def _refuse_unrepresentable(name: str, weight: torch.Tensor) -> None:
+    """A weight ComfyUI's NVFP4 quantizer turns into a layer that computes NaN for every output: all zeros (its
+    weight_scale_2 is 0), or a NaN or inf anywhere (the layer's one scale becomes NaN or inf). Refused, naming the
+    layer; the write stops and leaves nothing."""
+    nan, inf = int(torch.isnan(weight).sum()), int(torch.isinf(weight).sum())
+    if nan or inf:
+        what = f"{nan} NaN" if nan else f"{inf} infinite"
+        problem = f"its weight has {what} value{'s' if max(nan, inf) > 1 else ''} (of {weight.numel()})"
+    elif not bool(weight.any()):
+        problem = "its weight is all zeros"
+    else:
+        return
+    scale = "NaN" if nan else "inf" if inf else "0"
+    raise CheckpointRefused(f"{name}: {problem}: ComfyUI's NVFP4 quantizer would store a global scale of {scale} and "
+                            "the layer would compute NaN for every output. Leave it out of the conversion (--layers "
+                            "with a pattern that does not match it) or fix the source")
+
+
 def _fp8_scale_key(info: CheckpointInfo, layer: str) -> str:
     key = f"{layer}.weight_scale"
     return key if key in info.tensors else f"{layer}.scale_weight"
@@ -349,6 +369,10 @@ def _check_convertible(info: CheckpointInfo, layer: str) -> None:
     name = info.relative(layer)
     if fmt == NVFP4_FORMAT:
         raise CheckpointRefused(f"{name} is already NVFP4 (add static input scales with save_with_input_scales)")
+    shape = info.tensors[f"{layer}.weight"][1]
+    if 0 in shape:
+        raise CheckpointRefused(f"{name} has a weight of shape {list(shape)}: an empty Linear has nothing to quantize; "
+                                "leave it out of the conversion (--layers)")
     if fmt is None:
         dtype = info.tensors[f"{layer}.weight"][0]
         if dtype not in _PLAIN_WEIGHT_DTYPES:
