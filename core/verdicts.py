@@ -184,7 +184,7 @@ def checked_ops(probe_sets: tuple[ProbeSet, ...]) -> set[str]:
 
 def _load_cached(key: dict, probe_sets: tuple[ProbeSet, ...]) -> Verdict | None:
     path = _cache_path(key)
-    runtime.warn_if_shared(runtime.cache_dir())  # others could plant a passing verdict there
+    runtime.warn_if_shared(path.parent)  # others could plant a passing verdict there
     data = runtime.read_cache_file(path, VERDICT_FILE_MAX_BYTES)
     if data is None:
         return None

@@ -317,6 +317,19 @@ def test_a_verdict_cache_others_can_write_is_warned_about(own_cache, monkeypatch
     assert any("writable by other users" in r.getMessage() for r in caplog.records)
 
 
+def test_a_verdict_folder_others_can_write_is_warned_about(own_cache, monkeypatch, caplog):
+    """The verdicts live in the cache's selfcheck/ folder: others who can write there could plant a passing one."""
+    from h3_fused_nvfp4.kernels import runtime
+
+    monkeypatch.setattr(runtime, "_warned_folders", set())
+    (own_cache / "selfcheck").mkdir(parents=True)
+    os.chmod(own_cache / "selfcheck", 0o777)
+    caplog.set_level(logging.WARNING, logger="h3_fused_nvfp4")
+    verdicts.kernel_verdict(CPU, PROBE_SETS, fused_ops)
+    warnings = [r.getMessage() for r in caplog.records if "writable by other users" in r.getMessage()]
+    assert any(str(own_cache / "selfcheck") in w for w in warnings), warnings
+
+
 def test_an_unknown_selfcheck_mode_is_auto_with_one_warning(monkeypatch, caplog):
     monkeypatch.setattr(verdicts, "_warned_mode", set())
     monkeypatch.setenv(verdicts.SELFCHECK_ENV, "banana")
