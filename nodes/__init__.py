@@ -32,10 +32,11 @@ REFERENCE_ON_CPU = os.environ.get("H3_FUSED_NVFP4_REFERENCE_ON_CPU") == "1"
 
 SCOPE_TOOLTIP = (
     "block (fastest): every NVFP4 Linear's activation pack, and on MiniMax H3 the whole block around its NVFP4 "
-    "Linears: RMSNorm (norm1 / norm2) folded into the activation packs, adaLN modulation, SwiGLU, the gated "
-    "residuals, per-head RMSNorm + RoPE on q and k, and the hand-over of norm statistics between consecutive "
-    "blocks (other models have no block fusion: block and linears patch the same). "
-    "linears: only replaces each NVFP4 Linear's activation pack. Both are bit-identical to ComfyUI."
+    "Linears: RMSNorm (norm1 / norm2) folded into the activation packs, adaLN modulation, SwiGLU folded into fc2's "
+    "pack (token-refiner blocks too), the gated residuals, per-head RMSNorm + RoPE on q and k, and the hand-over of "
+    "norm statistics between consecutive blocks (other models have no block fusion: block and linears patch the "
+    "same). linears: only replaces each NVFP4 Linear's activation pack (SwiGLU and everything else run ComfyUI's "
+    "ops). Both are bit-identical to ComfyUI."
 )
 
 
