@@ -392,11 +392,26 @@ def _writer_state(folder: str, token: str) -> tuple[bool | None, int | None]:
     return True, fd
 
 
-def _journal(fd: int) -> list | None:
+def _plain_name(name) -> bool:
+    return (isinstance(name, str) and name not in ("", ".", "..") and os.path.basename(name) == name
+            and not any(sep in name for sep in (os.sep, os.altsep) if sep))
+
+
+def _journal(fd: int, token: str) -> list | None:
+    """The moves a gone writer listed in its lock file: only a file of this user's (another user cannot make this
+    process move files), only plain names in the folder, its own temporary files by their token."""
+    def own(name) -> bool:
+        match = LEFTOVER_RE.match(name) if _plain_name(name) else None
+        return match is not None and match["token"] == token
+
     try:
+        if hasattr(os, "geteuid") and os.fstat(fd).st_uid != os.geteuid():
+            return None
         data = json.loads(os.read(fd, 1 << 16) or b"null")
         moves = data["moves"] if isinstance(data, dict) else None
-        if isinstance(moves, list) and all(isinstance(m, list) and len(m) == 3 for m in moves):
+        if (isinstance(moves, list) and moves and all(isinstance(m, list) and len(m) == 3 for m in moves)
+                and all(own(tmp) and _plain_name(dest) and (backup is None or own(backup))
+                        for tmp, dest, backup in moves)):
             return moves
     except (OSError, ValueError, KeyError, RecursionError):
         pass
@@ -406,15 +421,14 @@ def _journal(fd: int) -> list | None:
 def _undo_unfinished_moves(folder: str, moves: list) -> None:
     """A gone writer's moves when the last one did not happen (its temporary file is still there): the earlier
     destinations it replaced get their kept-aside files back (or lose the new file, where there was none)."""
-    last_tmp = moves[-1][0]
-    if not (isinstance(last_tmp, str) and os.path.lexists(os.path.join(folder, last_tmp))):
+    if not os.path.lexists(os.path.join(folder, moves[-1][0])):
         return
     for tmp, dest, backup in moves[:-1]:
-        if not (isinstance(tmp, str) and isinstance(dest, str)) or os.path.lexists(os.path.join(folder, tmp)):
+        if os.path.lexists(os.path.join(folder, tmp)):
             continue  # not moved
         dest_path = os.path.join(folder, dest)
         try:
-            if isinstance(backup, str):
+            if backup is not None:
                 os.replace(os.path.join(folder, backup), dest_path)
                 log.warning("H3 fused NVFP4: put %s back, replaced by a write that did not finish", dest_path)
             else:
@@ -449,7 +463,7 @@ def clean_leftovers(folder: str, own: str = "") -> list[str]:
                             "checked here): left in place; delete it if no write is in progress", path)
             continue
         try:
-            moves = _journal(fd) if fd is not None else None
+            moves = _journal(fd, token) if fd is not None else None
             if moves:
                 _undo_unfinished_moves(folder, moves)
             for entry in sorted(entries, key=lambda e: e.endswith(".lock")):  # the lock file last

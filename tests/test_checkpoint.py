@@ -817,6 +817,30 @@ def test_an_overwriting_save_killed_mid_way_never_hides_the_checkpoint(models_fo
     assert (stats_amax == 2.0) == (pair[0] == old["calibrated.safetensors"]), "a mixed pair"
 
 
+@pytest.mark.parametrize("planted", ["a name outside the folder", "another user's lock file"])
+def test_a_planted_move_list_makes_the_cleanup_touch_nothing_else(tmp_path, sources, planted):
+    """The moves a gone writer's lock file lists are undone only for its own temporary files, names in the folder,
+    and a lock file of this user's: a planted one cannot make a later write remove or replace another file."""
+    out = tmp_path / "diffusion_models"
+    out.mkdir()
+    victim = (tmp_path if planted == "a name outside the folder" else out) / "victim.safetensors"
+    victim.write_bytes(b"someone's checkpoint")
+    token = "0123456789abcdef"
+    moves = [[f".victim.0.{token}.partial", "../victim.safetensors" if planted.startswith("a name") else victim.name,
+              None], [f".last.1.{token}.partial", "last.safetensors", None]]
+    lock = out / f".h3-fused-nvfp4.{token}.lock"
+    lock.write_text(json.dumps({"moves": moves}))
+    (out / moves[1][0]).write_bytes(b"the last move's file, never moved")
+    if planted == "another user's lock file":
+        if os.geteuid() != 0:
+            pytest.skip("needs root to give the lock file to another user")
+        os.chown(lock, 65534, 65534)
+    checkpoint.save_with_input_scales(sources["nvfp4"], out / "next.safetensors", {"blocks.0.mlp.fc1": 0.01}, {})
+    assert victim.read_bytes() == b"someone's checkpoint"
+    assert sorted(os.listdir(out)) == sorted(["next.safetensors"] + (["victim.safetensors"] if victim.parent == out
+                                                                      else []))
+
+
 def checkpoint_bytes_with_amax(folder, amax) -> bytes:
     """The checkpoint Save Calibrated writes for recorded amax ``amax`` (written aside and read back)."""
     scratch = folder.parent / f"scratch-{amax}"
