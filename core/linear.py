@@ -18,8 +18,8 @@ The reduction is skipped where the layer has a static ``input_scale`` or the cal
 A layer with a ``pre_quant_scale`` (AWQ smoothing: ComfyUI multiplies the input by it, cast to the input dtype, before
 quantizing) packs through the prescale source: the reduction and the pack read ``x * pre_quant_scale`` without
 writing it. The table is cast to the activation dtype per call, as ComfyUI casts it (``FusedNVFP4Linear.prescale``),
-and the GEMM alpha is written by the pack per call from the scales as they are now:
-nothing the Linear hands its kernels is cached from an earlier call.
+and the pack writes the GEMM alpha per call from the scales as they are now: nothing the Linear hands its kernels is
+cached from an earlier call.
 
 Inputs as ComfyUI takes them: 2-D rows, N-D inputs reshaped to rows (a view where ComfyUI's reshape is one, read
 in place when the rows are 16-byte aligned with unit column stride; other layouts, which ComfyUI's CUDA packer
