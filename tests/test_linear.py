@@ -56,6 +56,7 @@ def test_static_alpha_follows_in_place_changes(device, monkeypatch):
         fused = FusedNVFP4Linear(layer, "layer")
         x = (torch.randn(40, 256, device=device) * 2).to(torch.bfloat16)
         layer(x)
+        fused(x)  # both arms warm (the first emulated call of a process differs on the H200)
         for step, change in enumerate((lambda: None, lambda: layer.input_scale.mul_(3),
                                        lambda: layer.weight._params.scale.mul_(0.5),
                                        lambda: layer.input_scale.copy_(torch.tensor(7e-3)))):
@@ -66,4 +67,4 @@ def test_static_alpha_follows_in_place_changes(device, monkeypatch):
                            * layer.weight._params.scale.reshape(1))
             assert torch.equal(alphas[-1].view(torch.int32), comfy_alpha.view(torch.int32)), (step, seed)
             assert_bit_identical(out, layer(x), f"after change {step}, seed {seed}")
-    assert fused.calls_fused == 4
+    assert fused.calls_fused == 5
