@@ -265,6 +265,21 @@ def model_compute_dtype(model_patcher) -> torch.dtype | None:
     return dtype_inference() if callable(dtype_inference) else None
 
 
+def diffusion_model_source(model_patcher) -> str | None:
+    """The file a model was loaded from by ComfyUI's ``load_diffusion_model`` (its *Load Diffusion Model* and this
+    pack's Loader), as ComfyUI records it for reloading the model (``cached_patcher_init``; clones keep it), or None
+    where ComfyUI does not say (another loader, an older ComfyUI)."""
+    init = getattr(model_patcher, "cached_patcher_init", None)
+    try:
+        import comfy.sd
+
+        if init and init[0] is comfy.sd.load_diffusion_model and isinstance(init[1][0], str):
+            return init[1][0]
+    except (ImportError, AttributeError, IndexError, TypeError):
+        pass
+    return None
+
+
 def progress_bar(total: int):
     import comfy.utils
 

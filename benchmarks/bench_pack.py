@@ -99,8 +99,8 @@ def main():
         def fused_dynamic():
             return ops.pack_nvfp4(x, weight_scale_2=w2)
 
-        def fused_static():
-            return ops.pack_nvfp4(x, static_scale=static)
+        def fused_static():  # as the fused Linear packs: the GEMM alpha written by the pack
+            return ops.pack_nvfp4(x, static_scale=static, weight_scale_2=w2)
 
         q, s, g, alpha = comfy_dynamic()
         f = fused_dynamic()
@@ -108,8 +108,8 @@ def main():
                  and torch.equal(g.reshape(1), f.global_scale) and torch.equal(alpha.reshape(1), f.alpha))
         fs = fused_static()
         qs, ss, _ = comfy_static()
-        equal_static = torch.equal(qs, fs.qdata) and torch.equal(ss.view(torch.uint8),
-                                                                  fs.block_scales.view(torch.uint8))
+        equal_static = (torch.equal(qs, fs.qdata) and torch.equal((static * w2).reshape(1), fs.alpha)
+                        and torch.equal(ss.view(torch.uint8), fs.block_scales.view(torch.uint8)))
 
         arms = {"comfy_dynamic": comfy_dynamic, "fused_dynamic": fused_dynamic,
                 "comfy_static": comfy_static, "fused_static": fused_static}

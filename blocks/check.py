@@ -1,10 +1,11 @@
 """The block check: at the first fused call of a patched model, ComfyUI's block and the fused block run on (a prefix
 of) that call's real input and their outputs are compared byte for byte; that call returns ComfyUI's result.
 
-What counts: the comparison vouches for the fused block only when ComfyUI's output on the checked rows is finite
-everywhere. A prefix whose stock output holds a NaN or an infinity (an all-NaN first input, say) proves nothing
-about the arithmetic - NaN propagates through any op sequence alike - so such a call is not a verdict: the model
-stays on ComfyUI's path for that call and the check runs again on the next one.
+What counts: the comparison vouches for the fused block only when every element of ComfyUI's output on the checked
+rows is a finite number and not all of them are zero (:func:`proves_nothing`). A NaN or an infinity (a non-finite
+input, an overflow) reaches every later op of both blocks (the row's norm, attention over all rows), so both outputs
+are NaN / inf whatever the fused roundings do, and an output of zeros exercises no rounding. Such a call is not a
+verdict: the model stays on ComfyUI's path for that call, nothing is stored, and the check runs again on the next.
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ class BlockVerdict:
     meaningful: bool = True  # False: the checked rows proved nothing (non-finite stock output): check again later
 
 
+def proves_nothing(stock: torch.Tensor) -> str | None:
+    """Why equal outputs of ComfyUI's and the fused block would prove nothing about the fused arithmetic (None: a
+    meaningful comparison; module docstring)."""
+    finite = torch.isfinite(stock)
+    if not bool(finite.all()):
+        return f"ComfyUI's block output has {int((~finite).sum())} non-finite elements of {stock.numel()}"
+    if not bool(stock.any()):
+        return "ComfyUI's block output is all zeros"
+    return None
+
+
 def compare_block(fused_block, call, rows: int, plan) -> BlockVerdict:
     """ComfyUI's block against the fused route on the first ``rows`` rows of ``call`` (the family's call object:
     ``prefix(rows)``, ``fresh()``, ``x``). Two attempts: ComfyUI's first emulated GEMM call of a process can differ
@@ -35,10 +47,10 @@ def compare_block(fused_block, call, rows: int, plan) -> BlockVerdict:
     for attempt in range(2):
         with fused_block.unpatched():
             stock = fused_block.stock_call(sub.fresh())
-        if not bool(torch.isfinite(stock).all()):
-            return BlockVerdict(False, f"{fused_block.name}: ComfyUI's output on the checked rows is not finite, "
-                                "so they prove nothing; the check runs again on the next call",
-                                compared=False, meaningful=False)
+        reason = proves_nothing(stock)
+        if reason is not None:
+            return BlockVerdict(False, f"{fused_block.name}: not compared on this input ({reason}); the check runs "
+                                "again on the next call", compared=False, meaningful=False)
         fused = fused_block.fused_forward(sub.fresh(), plan=plan, handoff=False)
         detail = first_difference(f"{fused_block.name} output ({sub.rows} rows)", fused, stock)
         if detail is None:

@@ -32,11 +32,14 @@ STATISTICS = ("max", "p99.9", "p99")
 
 class CalibrationRecorder:
     """Per-layer device buffers: ``[running amax, last SAMPLES per-call amax values...]`` and a host call count.
-    ``expected``: the layers that must have been called before the statistics may be saved."""
+    ``expected``: the layers that must have been called before the statistics may be saved (every NVFP4 Linear of
+    the model); ``source``: the file the model was loaded from, where ComfyUI says (the save writes its scales into
+    a copy of that file only)."""
 
-    def __init__(self, samples: int = SAMPLES, expected: tuple[str, ...] = ()):
+    def __init__(self, samples: int = SAMPLES, expected: tuple[str, ...] = (), source: str | None = None):
         self.samples = samples
         self.expected = expected
+        self.source = source
         self.layers: dict[str, dict] = {}
         self.lock = threading.Lock()
         self.paused = 0  # > 0 while a block self-check runs extra forwards that must not count
@@ -102,9 +105,9 @@ _recorders: "weakref.WeakValueDictionary[str, CalibrationRecorder]" = weakref.We
 _ids = itertools.count()
 
 
-def new_recorder(expected: tuple[str, ...] = ()) -> tuple[str, CalibrationRecorder]:
+def new_recorder(expected: tuple[str, ...] = (), source: str | None = None) -> tuple[str, CalibrationRecorder]:
     key = f"calibration-{next(_ids)}"
-    recorder = CalibrationRecorder(expected=expected)
+    recorder = CalibrationRecorder(expected=expected, source=source)
     _recorders[key] = recorder
     return key, recorder
 
@@ -129,11 +132,13 @@ class RecordingForward:
         return self.stock_forward(x, *args, **kwargs)
 
 
-def attach_recorder(clone, layers: dict, *, prefix: str = "diffusion_model.") -> CalibrationRecorder:
+def attach_recorder(clone, layers: dict, *, prefix: str = "diffusion_model.",
+                    source: str | None = None) -> CalibrationRecorder:
     """Make every Linear of ``layers`` (name below ``prefix`` -> module) of the ModelPatcher ``clone`` record its
     input amax: a fused Linear records through its own forward, any other forward (ComfyUI's, or another node's
-    patch) is wrapped. Returns the recorder; :func:`recorder_of` finds it from the clone."""
-    key, recorder = new_recorder(tuple(layers))
+    patch) is wrapped. ``source``: the model's file, where known. Returns the recorder; :func:`recorder_of` finds it
+    from the clone."""
+    key, recorder = new_recorder(tuple(layers), source)
     for name, layer in layers.items():
         patch_key = f"{prefix}{name}.forward"
         current = clone.object_patches.get(patch_key)

@@ -17,8 +17,9 @@ The reduction is skipped where the layer has a static ``input_scale`` or the cal
 
 A layer with a ``pre_quant_scale`` (AWQ smoothing: ComfyUI multiplies the input by it, cast to the input dtype, before
 quantizing) packs through the prescale source: the reduction and the pack read ``x * pre_quant_scale`` without
-writing it. The cast of the table to the activation dtype is made once per device and dtype, with ComfyUI's own
-cast.
+writing it. The table is cast to the activation dtype per call, as ComfyUI casts it (``FusedNVFP4Linear.prescale``),
+and the pack writes the GEMM alpha per call from the scales as they are now: nothing the Linear hands its kernels is
+cached from an earlier call.
 
 Inputs as ComfyUI takes them: 2-D rows, N-D inputs reshaped to rows (a view where ComfyUI's reshape is one, read
 in place when the rows are 16-byte aligned with unit column stride; other layouts, which ComfyUI's CUDA packer
@@ -43,7 +44,7 @@ import torch
 from .. import comfy_adapter
 from ..comfy_adapter import allocation_context, layer_weights
 from ..kernels.backend import KernelBuildError
-from ..layout import NVFP4_LAYOUT, Modulation, PackedActivation, RmsNorm, rows_readable_in_place, tensor_version
+from ..layout import NVFP4_LAYOUT, Modulation, PackedActivation, RmsNorm, rows_readable_in_place
 from .fallbacks import note_fallback
 from .plan import ForwardPlan, plan_for
 
@@ -138,8 +139,8 @@ class PackPatch:
 
 
 class FusedNVFP4Linear(PackPatch):
-    """Callable installed as ``layer.forward`` (object patch). Holds no tensors of its own except cached
-    static-scale products, so patching and unpatching are cheap.
+    """Callable installed as ``layer.forward`` (object patch). Holds no tensors of its own except the buffer a
+    ``pre_quant_scale`` is cast into, so patching and unpatching are cheap.
 
     ``stock_forward`` is the layer class's own forward; every refusal goes there with an explicit reason.
     """
@@ -148,8 +149,7 @@ class FusedNVFP4Linear(PackPatch):
         self.layer = layer
         self.name = name
         self.stock_forward = type(layer).forward.__get__(layer)
-        self._static_alpha = None  # (input_scale, scale_2, device, their product): static_scale()
-        self._prescale: dict[tuple, torch.Tensor] = {}
+        self._prescale: dict[tuple, torch.Tensor] = {}  # (device, dtype, shape) -> the buffer the table is cast into
         self.calls_fused = 0
         self.stock_reasons: collections.Counter = collections.Counter()  # calls on ComfyUI's path, by reason
         self.recorder = None  # core/calibration.py: records this layer's input amax while calibrating
@@ -197,39 +197,33 @@ class FusedNVFP4Linear(PackPatch):
             return f"input width {width} != in_features {self.layer.in_features}"
         return None
 
-    def static_scale(self, device: torch.device, weight):
-        """The layer's static ``input_scale`` as an fp32 device scalar and the GEMM's output scale, ``input_scale``
-        times the scale_2 of ``weight``: the weight ComfyUI's cast hands out, which under dynamic VRAM with a LoRA
-        is requantized with a scale_2 of its own. The product is kept while the same tensors come back (the cache
-        holds them, so neither can be freed and replaced by another at the same address)."""
-        stored = getattr(self.layer, "input_scale", None)
-        if stored is None:
-            return None, None
-        scale = stored.detach().to(device=device, dtype=torch.float32).reshape(1)
-        w2 = weight._params.scale
-        cached = self._static_alpha
-        if cached is not None and cached[0] is stored and cached[1] is w2 and cached[2] == scale.device:
-            return scale, cached[3]
-        with allocation_context():  # one fp32 product, the same one comfy-kitchen's GEMM wrapper computes per call
-            alpha = (scale * w2.to(device=device, dtype=torch.float32)).reshape(1)
-        self._static_alpha = (stored, w2, scale.device, alpha)
-        return scale, alpha
+    def static_scale(self, device: torch.device) -> torch.Tensor | None:
+        """The layer's static ``input_scale`` as the fp32 one-element tensor the pack reads (None: dynamic), read as
+        it is now: the pack also writes the GEMM alpha from it and the weight's scale on the device, per call as
+        ComfyUI's GEMM computes it, so no product is cached that an in-place change could leave stale."""
+        scale = getattr(self.layer, "input_scale", None)
+        if scale is None:
+            return None
+        return scale.detach().to(device=device, dtype=torch.float32).reshape(1)
 
     def prescale(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
         """The layer's ``pre_quant_scale`` as ComfyUI's forward casts it for an input of ``dtype`` on ``device``
-        (None: the layer has none). Cast once per (table, device), like the static alpha: no per-call work."""
+        (None: the layer has none), from the table's values now. A table already in that dtype, on that device and
+        16-byte aligned is read as it is (ComfyUI's cast returns it unchanged); any other is cast per call into one
+        persistent buffer with the copy ComfyUI's cast makes (one small launch, no allocation). Nothing is keyed on
+        the table's address or version: inference tensors, which ComfyUI loads, keep no version."""
         pqs = getattr(self.layer, "pre_quant_scale", None)
         if pqs is None:
             return None
-        key = (pqs.data_ptr(), tensor_version(pqs), pqs.dtype, str(device), dtype)
-        table = self._prescale.get(key)
-        if table is None:
-            with allocation_context():
-                table = comfy_adapter.cast_to_device(pqs.detach(), device, dtype)
-                if not table.is_contiguous() or table.data_ptr() % 16:  # the kernels read 16-byte aligned rows
-                    table = table.contiguous().clone()
-            self._prescale = {key: table}
-        return table
+        pqs = pqs.detach()
+        if pqs.device == device and pqs.dtype == dtype and pqs.is_contiguous() and pqs.data_ptr() % 16 == 0:
+            return pqs  # the kernels read 16-byte aligned rows
+        key = (str(device), dtype, tuple(pqs.shape))
+        buffer = self._prescale.get(key)
+        if buffer is None:  # a normal tensor: updated in place under inference mode and outside it alike
+            with allocation_context(), torch.inference_mode(False):
+                buffer = self._prescale[key] = torch.empty(pqs.shape, dtype=dtype, device=device)
+        return buffer.copy_(pqs, non_blocking=pqs.device != device)
 
     def __call__(self, x: torch.Tensor, *, source: LinearSource | None = None, swiglu: bool = False, stock=None,
                  plan: ForwardPlan | None = None):
@@ -311,18 +305,15 @@ class FusedNVFP4Linear(PackPatch):
 
     def pack(self, backend, x2: torch.Tensor, weight, source: LinearSource | None, swiglu: bool,
              prescale: torch.Tensor | None) -> PackedActivation:
-        """The fused pack of this layer's input, with the GEMM alpha for ``weight``."""
-        static, static_alpha = self.static_scale(x2.device, weight)
+        """The fused pack of this layer's input, with the GEMM alpha for ``weight`` (the scale_2 of the weight ComfyUI's
+        cast hands out: under dynamic VRAM a LoRA requantizes it with one of its own)."""
+        static = self.static_scale(x2.device)
         reduced = source.global_scale if (source is not None and static is None) else None
-        packed = backend.pack_nvfp4(
-            x2, static_scale=static, global_scale=reduced,
-            weight_scale_2=None if static is not None else weight._params.scale.reshape(1),
+        return backend.pack_nvfp4(
+            x2, static_scale=static, global_scale=reduced, weight_scale_2=weight._params.scale.reshape(1),
             swiglu=swiglu, modulation=source.modulation if source is not None else None,
             norm=source.norm if source is not None else None, prescale=prescale,
         )
-        if static is not None:
-            packed.alpha = static_alpha
-        return packed
 
     def shaped(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return out.reshape(*x.shape[:-1], self.layer.out_features) if x.dim() >= 3 else out

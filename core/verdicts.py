@@ -118,14 +118,17 @@ class Verdict:
                 "seconds": self.seconds, "block": self.block, "block_detail": self.block_detail}
 
     @classmethod
-    def from_json(cls, data, key: dict) -> "Verdict | None":
-        """The verdict a cache file holds for ``key``, or None when the file is of any other shape."""
+    def from_json(cls, data, key: dict, ops_checked: set[str]) -> "Verdict | None":
+        """The verdict a cache file holds for ``key``, or None when the file is of any other shape or does not give
+        a result for exactly the ops ``ops_checked`` (an op left out would run unchecked)."""
         if not isinstance(data, dict) or data.get("key") != key or not isinstance(data.get("ops"), dict):
+            return None
+        if set(data["ops"]) != ops_checked:
             return None
         ops = {}
         for name, entry in data["ops"].items():
-            if not (isinstance(entry, dict) and entry.get("ok") in (True, False, None)
-                    and type(entry.get("ok")) in (bool, type(None)) and isinstance(entry.get("detail"), str)):
+            if not (isinstance(entry, dict) and "ok" in entry and type(entry["ok"]) in (bool, type(None))
+                    and isinstance(entry.get("detail"), str)):
                 return None
             ms = entry.get("ms", 0.0)
             ops[name] = OpResult(entry["ok"], entry["detail"], float(ms) if isinstance(ms, (int, float)) else 0.0)
@@ -174,15 +177,20 @@ def _cache_path(key: dict) -> pathlib.Path:
     return runtime.cache_dir() / "selfcheck" / f"{digest}.json"
 
 
-def _load_cached(key: dict) -> Verdict | None:
+def checked_ops(probe_sets: tuple[ProbeSet, ...]) -> set[str]:
+    """Every op a verdict of these probe sets gives a result for: each probe's and each alias's."""
+    return {name for s in probe_sets for name in (*s.probes, *s.aliases)}
+
+
+def _load_cached(key: dict, probe_sets: tuple[ProbeSet, ...]) -> Verdict | None:
     path = _cache_path(key)
-    runtime.warn_if_shared(runtime.cache_dir())  # others could plant a passing verdict there
+    runtime.warn_if_shared(path.parent)  # others could plant a passing verdict there
     data = runtime.read_cache_file(path, VERDICT_FILE_MAX_BYTES)
     if data is None:
         return None
     try:
-        verdict = Verdict.from_json(json.loads(data), key)
-    except ValueError:
+        verdict = Verdict.from_json(json.loads(data), key, checked_ops(probe_sets))
+    except (ValueError, RecursionError):  # not JSON; nested deeper than the parser goes
         verdict = None
     if verdict is None:
         log.warning("H3 fused NVFP4: ignoring the self-check verdict file %s (not a verdict of this pack); the "
@@ -258,7 +266,7 @@ def kernel_verdict(device: torch.device, probe_sets: tuple[ProbeSet, ...], backe
         if mode() == "skip":
             verdict = Verdict(key, {}, 0.0, "skipped", block="passed")
         else:
-            verdict = _load_cached(key) if mode() == "auto" else None
+            verdict = _load_cached(key, probe_sets) if mode() == "auto" else None
             if verdict is None:
                 t0 = time.perf_counter()
                 ops = run_probes(backend or backend_for(device), device, probe_sets)

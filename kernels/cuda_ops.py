@@ -504,9 +504,9 @@ def pack_nvfp4(
             :func:`norm_statistics` / :func:`gated_residual_` earlier on the stream).
             Neither: the dynamic scale ``dtype(amax|h| / 2688)`` is computed here in one extra launch.
         weight_scale_2: fp32 one-element device tensor; the pack then writes the GEMM alpha (activation scale x
-            weight scale) next to the global scale, so no follow-up launch computes it.
-        modulation / norm / swiglu: the source (module docstring). A normalized source takes a modulation with scale
-            and shift, one with ``shift=None`` (scale only) or none.
+            weight scale, dynamic, precomputed or static) next to the global scale, so no follow-up launch computes
+            it and nothing holds a product of an earlier call.
+        modulation / norm / swiglu: the source (module docstring).
         up: with ``swiglu=True``, the up values as a second ``[M, K]`` tensor with x's row stride: ``h =
             silu(x) * up`` (Z-Image's ``F.silu(w1(h)) * w3(h)``).
         prescale: ``[K]`` contiguous, in x's dtype: ``h = x * prescale`` (torch's bf16 or fp16 multiply), a Linear's
@@ -561,7 +561,7 @@ def pack_nvfp4(
         grid = max(1, min(-(-chunks // (threads * items)), mod.sm_count * per_sm))
         mod.launch(f"nvfp4_absmax_{variant}{suffix}", grid, threads, params, stream)
         global_scale = scalars[0:1]
-    want_alpha = weight_scale_2 is not None and static_scale is None
+    want_alpha = weight_scale_2 is not None
     kernel, threads, shared = f"nvfp4_pack_{variant}{suffix}", LAUNCH["PACK_THREADS"], 0
     if gelu and _gelu_lookup(mod) == "table":  # the whole table in shared memory: one CTA per SM, persistent
         variant, kernel = "gelu_table", f"nvfp4_pack_gelu_table{suffix}"

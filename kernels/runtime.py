@@ -57,6 +57,7 @@ class KernelBuildError(RuntimeError):
 NVRTC_WHEEL_DIRS = ("nvidia/cu13/lib", "nvidia/cu13/bin/x86_64", "nvidia/cu13/bin", "nvidia/cuda_nvrtc/lib",
                     "nvidia/cuda_nvrtc/bin", "nvidia/cu12/lib")
 NVRTC_TOOLKIT_DIRS = ("lib64", "lib", "bin/x64", "bin")
+DEFAULT_CUDA_HOME = "/usr/local/cuda"
 NVRTC_NAMES = ("libnvrtc.so*", "nvrtc64_*.dll")
 NVRTC_BUILTINS_NAMES = ("libnvrtc-builtins.so.*", "nvrtc-builtins64_*.dll")
 
@@ -65,20 +66,25 @@ def _libraries_in(folder: str, patterns: tuple) -> list[str]:
     """Files in ``folder`` matching ``patterns``, the highest version first; the .alt builds NVIDIA ships beside the
     libraries are skipped."""
     found: list[str] = []
-    for pattern in patterns:
-        found += sorted(glob.glob(os.path.join(folder, pattern)), reverse=True)
+    for pattern in patterns:  # the folder as it is named (a "[" in it is no pattern)
+        found += sorted(glob.glob(os.path.join(glob.escape(folder), pattern)), reverse=True)
     return [p for p in found if ".alt." not in os.path.basename(p)]
 
 
-def _candidate_nvrtc_paths() -> list[str]:
+def _nvrtc_folders() -> list[str]:
+    """The folders NVRTC is looked for in, in order (the loader's path comes after them)."""
     folders = [os.path.join(entry, sub) for entry in sys.path for sub in NVRTC_WHEEL_DIRS]
     torch_spec = importlib.util.find_spec("torch")
     if torch_spec is not None and torch_spec.submodule_search_locations:
         folders += [os.path.join(location, "lib") for location in torch_spec.submodule_search_locations]
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), DEFAULT_CUDA_HOME):
         if home:
             folders += [os.path.join(home, sub) for sub in NVRTC_TOOLKIT_DIRS]
-    paths = [path for folder in folders for path in _libraries_in(folder, NVRTC_NAMES)]
+    return list(dict.fromkeys(folders))
+
+
+def _candidate_nvrtc_paths() -> list[str]:
+    paths = [path for folder in _nvrtc_folders() for path in _libraries_in(folder, NVRTC_NAMES)]
     found = ctypes.util.find_library("nvrtc")
     if found:
         paths.append(found)
@@ -112,12 +118,28 @@ def nvrtc() -> ctypes.CDLL:
                 except OSError as exc:
                     errors.append(f"{path}: {exc}")
             if _nvrtc is None:
-                raise KernelBuildError("NVRTC not found (install a CUDA 13 build of torch, or set CUDA_HOME to a "
-                                       "CUDA 13 toolkit); "
-                                       + ("tried: " + "; ".join(errors) if errors
-                                          else "no libnvrtc / nvrtc64_*.dll in torch's CUDA wheels, torch/lib, "
-                                          "CUDA_HOME, CUDA_PATH or the loader's path"))
+                raise KernelBuildError(_nvrtc_missing(errors))
         return _nvrtc
+
+
+def _nvrtc_missing(errors: list[str]) -> str:
+    """Why no NVRTC could be loaded, and what to do, for the torch that is installed."""
+    torch = sys.modules.get("torch")  # not imported here: the release check runs without torch
+    version = getattr(torch, "__version__", None)
+    cuda = getattr(getattr(torch, "version", None), "cuda", None)
+    if errors:
+        found = "found but could not load: " + "; ".join(errors)
+    else:
+        searched = [folder for folder in _nvrtc_folders() if os.path.isdir(folder)]
+        found = ("no libnvrtc / nvrtc64_*.dll in " + (", ".join(searched) if searched else "any of torch's CUDA wheel "
+                 "folders, torch/lib, CUDA_HOME or CUDA_PATH (none of them exists)") + " or on the loader's path")
+    if cuda and str(cuda).split(".")[0] == "13":
+        return (f"NVRTC not found: torch {version} is a CUDA {cuda} build, whose NVRTC comes with its CUDA wheels "
+                f"(nvidia-cuda-nvrtc); {found}. Reinstall those wheels with this Python, or set CUDA_HOME to a CUDA "
+                "13 toolkit")
+    build = f" (torch {version} is built for CUDA {cuda})" if version else ""
+    return (f"NVRTC not found{build}: install a CUDA 13 build of torch, or set CUDA_HOME to a CUDA 13 toolkit; "
+            + found)
 
 
 def nvrtc_version() -> tuple[int, int]:
@@ -145,9 +167,25 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
+CACHE_ENV = "H3_FUSED_NVFP4_CACHE"
+_warned_cache_settings: set[str] = set()
+
+
 def cache_dir() -> pathlib.Path:
-    root = os.environ.get("H3_FUSED_NVFP4_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "h3_fused_nvfp4")
-    return pathlib.Path(root)
+    """``$H3_FUSED_NVFP4_CACHE`` (``~`` expanded) or ``~/.cache/h3_fused_nvfp4``. A relative or blank value would
+    put the cache wherever the process happens to start: the default is used instead, with a warning once."""
+    default = pathlib.Path(os.path.expanduser("~"), ".cache", "h3_fused_nvfp4")
+    value = os.environ.get(CACHE_ENV, "")
+    if value == "":  # unset
+        return default
+    root = os.path.expanduser(value)
+    if value.strip() and os.path.isabs(root):
+        return pathlib.Path(root)
+    if value not in _warned_cache_settings:
+        _warned_cache_settings.add(value)
+        what = "is blank" if not value.strip() else "is not an absolute path"
+        log.warning("H3 fused NVFP4: %s=%r %s; using the default cache folder %s", CACHE_ENV, value, what, default)
+    return default
 
 
 def _nvrtc_compile(arch: str, source: str, defines: tuple, get_size: str, get_data: str) -> bytes:
@@ -250,14 +288,20 @@ _warned_folders: set[str] = set()
 
 
 def warn_if_shared(folder: pathlib.Path) -> None:
-    """Log once when the cache folder (or its parent) can be written by other users: they could hand this process
-    kernels or self-check verdicts."""
-    for candidate in (folder, folder.parent):
+    """Log once when a folder the files in ``folder`` rely on can be written by other users, who could hand this
+    process kernels or self-check verdicts: ``folder`` itself, every folder above it up to the cache folder (the
+    verdicts live in its ``selfcheck/``), and the one above that."""
+    root = cache_dir()
+    chain = [folder]
+    while chain[-1] != root and root in chain[-1].parents:
+        chain.append(chain[-1].parent)
+    chain.append(chain[-1].parent)
+    for candidate in chain:
         try:
             mode = candidate.stat().st_mode
         except OSError:
             continue
-        # a parent like /tmp (sticky bit) lets others create names, not replace ours
+        # a folder above like /tmp (sticky bit) lets others create names, not replace ours
         writable_by_others = mode & stat.S_IWOTH and (candidate == folder or not mode & stat.S_ISVTX)
         if writable_by_others and str(candidate) not in _warned_folders:
             _warned_folders.add(str(candidate))

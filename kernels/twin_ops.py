@@ -135,7 +135,7 @@ def pack_nvfp4(x, *, static_scale=None, global_scale=None, weight_scale_2=None, 
     qdata, scales = comfy_adapter.quantize_nvfp4(h.contiguous(), g.reshape(()),
                                                  pad_16x=rows % 16 != 0 or cols % 16 != 0)
     alpha = None
-    if static_scale is None and weight_scale_2 is not None:
+    if weight_scale_2 is not None:
         alpha = (g * weight_scale_2.to(device=g.device, dtype=torch.float32)).reshape(1)
     return PackedActivation(qdata, scales, g, alpha, rows, cols)
 

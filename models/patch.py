@@ -3,6 +3,7 @@ family with block fusions (one folder each under models/) gets them on top. What
 
 from __future__ import annotations
 
+from .. import comfy_adapter
 from ..core import patching
 from ..core.calibration import attach_recorder
 from ..core.patching import SCOPES, PatchReport, apply_comfy, patch_state, patched_scope
@@ -30,7 +31,7 @@ def apply_calibration(model_patcher, allow_reference_backend: bool = False):
     else:
         clone = model_patcher.clone()
     layers = patching.nvfp4_linears(clone.get_model_object("diffusion_model"))
-    attach_recorder(clone, layers)
+    attach_recorder(clone, layers, source=comfy_adapter.diffusion_model_source(model_patcher))
     if not layers:
         return clone, "H3 fused NVFP4 calibration: no NVFP4 Linear to record"
     return clone, (f"H3 fused NVFP4 calibration: recording the input amax of {len(layers)} NVFP4 layers on the "

@@ -32,10 +32,11 @@ REFERENCE_ON_CPU = os.environ.get("H3_FUSED_NVFP4_REFERENCE_ON_CPU") == "1"
 
 SCOPE_TOOLTIP = (
     "block (fastest): every NVFP4 Linear's activation pack, and on MiniMax H3 the whole block around its NVFP4 "
-    "Linears: RMSNorm (norm1 / norm2) folded into the activation packs, adaLN modulation, SwiGLU, the gated "
-    "residuals, per-head RMSNorm + RoPE on q and k, and the hand-over of norm statistics between consecutive "
-    "blocks (other models have no block fusion: block and linears patch the same). "
-    "linears: only replaces each NVFP4 Linear's activation pack. Both are bit-identical to ComfyUI."
+    "Linears: RMSNorm (norm1 / norm2) folded into the activation packs, adaLN modulation, SwiGLU folded into fc2's "
+    "pack (token-refiner blocks too), the gated residuals, per-head RMSNorm + RoPE on q and k, and the hand-over of "
+    "norm statistics between consecutive blocks (other models have no block fusion: block and linears patch the "
+    "same). linears: only replaces each NVFP4 Linear's activation pack (SwiGLU and everything else run ComfyUI's "
+    "ops). Both are bit-identical to ComfyUI."
 )
 
 
@@ -224,7 +225,8 @@ class H3FusedNVFP4SaveCalibrated(io.ComfyNode):
                 io.Latent.Input("samples", optional=True,
                                 tooltip="The sampler's output: connect it so this node runs after the sampling."),
                 io.Combo.Input("unet_name", options=comfy_adapter.diffusion_model_names(),
-                               tooltip="The checkpoint the model was loaded from (its tensors are copied)."),
+                               tooltip="The checkpoint the model was loaded from (its tensors are copied); "
+                                       "another file is refused."),
                 io.String.Input("filename", default="h3_nvfp4_calibrated.safetensors",
                                 tooltip="New file name in models/diffusion_models."),
                 io.Float.Input("headroom", default=1.0, min=0.5, max=4.0, step=0.05,

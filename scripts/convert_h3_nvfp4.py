@@ -12,7 +12,7 @@ or the percentile ``--statistic`` names (default: the file's ``statistic``, else
 
 Runs with ComfyUI's Python: the ComfyUI used is ``$COMFYUI_PATH``, the one this pack is installed in, or
 ``../shared/comfyui`` (tools/comfy_env.py). Exits 1 with a one-line error when it refuses, and when it is stopped
-by SIGTERM (the half-written temporary file is removed first; Ctrl-C too).
+by SIGTERM, SIGHUP (a closed terminal) or SIGQUIT (the half-written temporary file is removed first; Ctrl-C too).
 """
 
 from __future__ import annotations
@@ -120,19 +120,23 @@ def run(args) -> str:
 
 
 class Stopped(BaseException):
-    """SIGTERM (or Ctrl-C) while running: raised where the program is, so every write's cleanup runs."""
+    """A stop signal (STOP_SIGNALS) while running: raised where the program is, so every write's cleanup runs."""
 
 
 def _stop(signum, frame):
     raise Stopped(signal.Signals(signum).name)
 
 
+# Signals whose default action ends the process without any cleanup: SIGTERM (a service stop, `kill`), SIGHUP (the
+# terminal closed), SIGQUIT (Ctrl-\). Turned into an exception, the streaming writer removes its temporary file as
+# on any failure. (Windows has SIGTERM only.)
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # SIGTERM (a service stop, `kill`, a closing terminal's job control) would end the process without any cleanup:
-    # turned into an exception, the streaming writer removes its temporary file as on any failure.
     handled = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _stop) if handled else None
+    previous = {signum: signal.signal(signum, _stop) for signum in STOP_SIGNALS} if handled else {}
     try:
         print(run(args))
     except (ValueError, OSError, RuntimeError) as exc:  # refusals (CheckpointRefused is a ValueError), I/O
@@ -143,8 +147,8 @@ def main(argv=None) -> int:
         print(f"error: stopped by {name}; nothing was written", file=sys.stderr)
         return 1
     finally:
-        if handled:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return 0
 
 

@@ -92,7 +92,7 @@ def test_every_committed_result_is_cited_and_names_no_machine_path():
 # own name (the package, its environment variables, its log prefix) is not a family's word.
 SHARED_LAYERS = ("blocks", "core", "kernels", "layout.py")
 FAMILY_WORDS = {"h3", "minimax", "zimage", "lumina", "nextdit", "wan", "flux", "ltx", "qwen"}
-PRODUCT_NAMES = re.compile(r"h3[ _]fused[ _]nvfp4|H3FN", re.IGNORECASE)
+PRODUCT_NAMES = re.compile(r"h3[ _-]fused[ _-]nvfp4|H3FN", re.IGNORECASE)
 
 
 def _words(text: str) -> set[str]:

@@ -111,6 +111,29 @@ def test_save_refusals_leave_nothing_behind(pack, model_file, clean_models):
     assert (model_file.parent / "existing.safetensors").read_bytes() == b"someone's file"
 
 
+@pytest.mark.parametrize("other", ["same layers, other weights", "one block deeper"])
+def test_save_refuses_a_checkpoint_the_model_was_not_loaded_from(pack, model_file, clean_models, other):
+    """The model was loaded from one file, unet_name names another: the input scales of the one must not go into
+    a copy of the other (a deeper file would also leave its extra layers unscaled)."""
+    import folder_paths
+    from safetensors.torch import save_file
+
+    from h3_fused_nvfp4.tools import synthetic as syn
+
+    layers = NUM_LAYERS + (other == "one block deeper")
+    save_file(syn.model_state_dict(num_layers=layers, refiner_layers=REFINER_LAYERS, seed=5),
+              str(model_file.parent / "other.safetensors"))
+    folder_paths.filename_list_cache.pop("diffusion_models", None)
+    before = sorted(p.name for p in model_file.parent.iterdir())
+    prompt = calibrate_graph("fused", "mixed.safetensors")
+    prompt["5"]["inputs"]["unet_name"] = "other.safetensors"
+    run = _run_save(prompt)
+    assert not run.success, run.ui_text("5")
+    message = run.error["exception_message"]
+    assert f"loaded from {UNET_NAME}" in message and "other.safetensors" in message, message
+    assert sorted(p.name for p in model_file.parent.iterdir()) == before
+
+
 def test_input_scales_refuse_bad_statistics():
     with pytest.raises(ValueError, match="never called"):
         calibrate.input_scales({"blocks.0.mlp.fc1": {"amax": 1.0, "calls": 0}})

@@ -360,6 +360,54 @@ def test_refusals_leave_no_file(tmp_path, sources, monkeypatch, case):
     assert (tmp_path / "existing.safetensors").read_bytes() == b"keep me"
 
 
+def with_fc2_weight(tmp_path, name: str, make) -> str:
+    """The bf16 source with blocks.1.mlp.fc2's weight replaced by ``make(weight)``."""
+    sd = bf16_state_dict()
+    sd["blocks.1.mlp.fc2.weight"] = make(sd["blocks.1.mlp.fc2.weight"])
+    return write(tmp_path / name, sd)
+
+
+def _poke(value):
+    def make(weight):
+        weight = weight.clone()
+        weight[3, 5] = value
+        return weight
+    return make
+
+
+BAD_WEIGHTS = {
+    # ComfyUI's quantizer gives weight_scale_2 = 0 and every output of the layer NaN
+    "all zeros": (torch.zeros_like, "blocks.1.mlp.fc2: its weight is all zeros"),
+    "a NaN": (_poke(float("nan")), "blocks.1.mlp.fc2: its weight has 1 NaN"),
+    "an inf": (_poke(float("inf")), "blocks.1.mlp.fc2: its weight has 1 infinite"),
+    "no rows": (lambda w: w[:0], "blocks.1.mlp.fc2 has a weight of shape \\[0, "),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_WEIGHTS))
+def test_a_weight_nvfp4_cannot_hold_is_refused_and_nothing_is_left(tmp_path, case):
+    make, message = BAD_WEIGHTS[case]
+    sources_dir = tmp_path / "sources"
+    sources_dir.mkdir()
+    source = with_fc2_weight(sources_dir, "bad.safetensors", make)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(checkpoint.CheckpointRefused, match=message) as refused:
+        checkpoint.convert_to_nvfp4(source, out / "x.safetensors")
+    assert "--layers" in str(refused.value) or case == "no rows"
+    assert os.listdir(out) == []
+
+
+def test_a_destination_that_is_a_folder_is_refused_before_writing(tmp_path, sources, monkeypatch):
+    (tmp_path / "x.safetensors").mkdir()
+    written = []
+    real = safetensors_io._write_bytes
+    monkeypatch.setattr(safetensors_io, "_write_bytes", lambda handle, data: (written.append(1), real(handle, data)))
+    with pytest.raises(checkpoint.CheckpointRefused, match="is a folder"):
+        checkpoint.convert_to_nvfp4(sources["bf16"], tmp_path / "x.safetensors", overwrite=True)
+    assert written == [] and os.listdir(tmp_path) == ["x.safetensors"]
+
+
 # ---- the command line --------------------------------------------------------------------------------------
 
 def run_script(*args):
@@ -442,11 +490,13 @@ def test_script_refuses_in_one_line(tmp_path, sources, capsys, case, calibration
 # ---- Save Calibrated's two files ---------------------------------------------------------------------------
 
 class RecordedStatistics:
-    """Stands in for a CalibrationRecorder after sampling: every block projection called, fixed amax values."""
+    """Stands in for a CalibrationRecorder after sampling: every NVFP4 layer called, fixed amax values; the model's
+    source file unknown (a loader that does not say)."""
 
-    def __init__(self, layers=tuple(BLOCK_LAYERS), amax=2.0):
+    def __init__(self, layers=tuple(BLOCK_LAYERS + REFINER_LAYERS), amax=2.0):
         self.layers = {name: None for name in layers}
         self.amax = amax
+        self.source = None
 
     def missing(self):
         return []
@@ -513,7 +563,20 @@ def _fail_renaming_the_statistics(monkeypatch):
     monkeypatch.setattr(os, "replace", replace)
 
 
-@pytest.mark.parametrize("fail", [_fail_writing_the_statistics, _fail_renaming_the_statistics])
+def _fail_renaming_the_checkpoint(monkeypatch):
+    """The statistics file is in place, the rename of the checkpoint onto its name fails: the statistics go back."""
+    real = os.replace
+
+    def replace(src, dst, **kwargs):
+        if os.fspath(dst).endswith("calibrated.safetensors"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+@pytest.mark.parametrize("fail", [_fail_writing_the_statistics, _fail_renaming_the_statistics,
+                                  _fail_renaming_the_checkpoint])
 def test_save_calibrated_overwrite_never_loses_the_old_pair(models_folder, monkeypatch, fail):
     save_calibrated(models_folder, "calibrated.safetensors", amax=2.0)
     before = folder_bytes(models_folder)
@@ -535,6 +598,76 @@ def test_save_calibrated_without_overwrite_keeps_a_lone_statistics_file(models_f
     with pytest.raises(ValueError, match="exists"):
         save_calibrated(models_folder, "calibrated.safetensors")
     assert folder_bytes(models_folder) == before
+
+
+@pytest.mark.parametrize("layers, message", [(BLOCK_LAYERS + REFINER_LAYERS[:-1], "were not recorded"),
+                                             (BLOCK_LAYERS + REFINER_LAYERS + ["blocks.2.mlp.fc1"], "not in")])
+def test_save_calibrated_refuses_a_checkpoint_with_other_nvfp4_layers(models_folder, layers, message):
+    """Where ComfyUI does not say which file the model came from, the checkpoint's NVFP4 layers must be the recorded
+    ones: a deeper (or shallower) checkpoint is another model."""
+    before = folder_bytes(models_folder)
+    with pytest.raises(ValueError, match=message):
+        checkpoint.save_calibrated(RecordedStatistics(layers), str(models_folder / "h3_nvfp4.safetensors"),
+                                   "h3_nvfp4.safetensors", "calibrated.safetensors", 1.0, "max", False)
+    assert folder_bytes(models_folder) == before
+
+
+def test_save_calibrated_refuses_another_file_than_the_models_source(models_folder):
+    shutil.copy(models_folder / "h3_nvfp4.safetensors", models_folder / "copy.safetensors")
+    recorded = RecordedStatistics()
+    recorded.source = str(models_folder / "copy.safetensors")
+    with pytest.raises(ValueError, match="loaded from copy.safetensors"):
+        checkpoint.save_calibrated(recorded, str(models_folder / "h3_nvfp4.safetensors"), "h3_nvfp4.safetensors",
+                                   "calibrated.safetensors", 1.0, "max", False)
+    recorded.source = str(models_folder / "h3_nvfp4.safetensors")
+    assert "wrote calibrated.safetensors" in checkpoint.save_calibrated(
+        recorded, str(models_folder / "h3_nvfp4.safetensors"), "h3_nvfp4.safetensors", "calibrated.safetensors", 1.0,
+        "max", False)
+
+
+def test_save_calibrated_never_shares_a_statistics_file_between_two_checkpoints(models_folder):
+    """x.safetensors and x.sft would both have x.calibration.json: the second is refused (even with overwrite),
+    the first pair kept."""
+    save_calibrated(models_folder, "calibrated.safetensors", amax=2.0)
+    before = folder_bytes(models_folder)
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match="calibrated.safetensors"):
+            save_calibrated(models_folder, "calibrated.sft", overwrite=overwrite, amax=5.0)
+        assert folder_bytes(models_folder) == before
+
+
+def test_a_dangling_link_at_the_destination_is_an_existing_file(tmp_path, sources):
+    """A symbolic link whose target is missing is still a name in the folder: replaced only with overwrite."""
+    dest = tmp_path / "out.safetensors"
+    dest.symlink_to(tmp_path / "missing.safetensors")
+    with pytest.raises(checkpoint.CheckpointRefused, match="already exists"):
+        checkpoint.save_with_input_scales(sources["nvfp4"], dest, {"blocks.0.mlp.fc1": 0.01}, {})
+    assert dest.is_symlink() and os.listdir(tmp_path) == ["out.safetensors"]
+    checkpoint.save_with_input_scales(sources["nvfp4"], dest, {"blocks.0.mlp.fc1": 0.01}, {}, overwrite=True)
+    assert not dest.is_symlink() and dest.is_file()
+
+
+def name_of_length(length: int, suffix: str = ".safetensors") -> str:
+    return "n" * (length - len(suffix)) + suffix
+
+
+@pytest.mark.parametrize("length", [237, 247, 255])
+def test_long_names_the_folder_takes_are_written(tmp_path, sources, length):
+    """Any name the file system takes (255 bytes) is written: the hidden temporary names are bounded."""
+    dest = tmp_path / name_of_length(length)
+    checkpoint.save_with_input_scales(sources["nvfp4"], dest, {"blocks.0.mlp.fc1": 0.01}, {})
+    assert os.listdir(tmp_path) == [dest.name]
+
+
+def test_a_name_the_folder_cannot_take_is_refused_before_writing(tmp_path, sources, models_folder):
+    with pytest.raises(checkpoint.CheckpointRefused, match="longer than"):
+        checkpoint.save_with_input_scales(sources["nvfp4"], tmp_path / name_of_length(256),
+                                          {"blocks.0.mlp.fc1": 0.01}, {})
+    before = folder_bytes(models_folder)
+    assert "wrote" in save_calibrated(models_folder, name_of_length(247))  # statistics file: 252 bytes
+    with pytest.raises(ValueError, match="longer than"):  # statistics file: 256 bytes
+        save_calibrated(models_folder, name_of_length(251))
+    assert len(folder_bytes(models_folder)) == len(before) + 2
 
 
 # ---- interrupted writes ------------------------------------------------------------------------------------
@@ -580,40 +713,165 @@ def partials(folder):
     return sorted(p.name for p in folder.iterdir() if p.name.endswith(".partial"))
 
 
-def test_sigterm_during_a_conversion_leaves_no_partial_file(tmp_path, sources):
+def hidden(folder):
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT])
+def test_a_stop_signal_during_a_conversion_leaves_no_partial_file(tmp_path, sources, signum):
+    """SIGTERM (a service stop), SIGHUP (a closed terminal), SIGQUIT: the converter stops with one line and removes
+    its half-written file."""
     out = tmp_path / "diffusion_models"
     out.mkdir()
     proc = stalled_conversion(sources["bf16"], out / "h3_nvfp4.safetensors")
     (partial,) = partials(out)
-    assert f".{proc.pid}." in partial and (out / partial).stat().st_size > 0
-    proc.send_signal(signal.SIGTERM)
+    assert (out / partial).stat().st_size > 0
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1, err
-    assert err.strip().count("\n") == 0 and "SIGTERM" in err, err
+    assert err.strip().count("\n") == 0 and signal.Signals(signum).name in err, err
     assert os.listdir(out) == []
 
 
-def test_sigkill_leftovers_are_removed_by_the_next_write_to_the_folder(tmp_path, sources, caplog):
+def test_a_live_writer_is_never_cleaned_up_whatever_its_process_id_says(tmp_path, sources, monkeypatch):
+    """A writer in another container (another PID namespace) on a shared models volume: its process id means
+    nothing here (no such process, or this very process: ComfyUI as PID 1 in both). A write into the folder leaves
+    the live writer's file alone, which then completes."""
     out = tmp_path / "diffusion_models"
     out.mkdir()
     proc = stalled_conversion(sources["bf16"], out / "h3_nvfp4.safetensors")
-    proc.kill()
-    proc.communicate(timeout=60)
-    (killed,) = partials(out)
-    assert f".{proc.pid}." in killed
-    # a running writer's file stays; a file kept aside by a killed two-file replacement goes back to its name
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        running = out / f".other.safetensors.{sleeper.pid}.0123abcd.partial"
-        running.write_bytes(b"being written")
-        kept_aside = out / f".old_pair.safetensors.{proc.pid}.89abcdef.old"
-        kept_aside.write_bytes(b"the user's earlier checkpoint")
+        before = hidden(out)
+        for seen_as in ("no such process", "this process"):
+            with monkeypatch.context() as m:
+                if seen_as == "no such process":
+                    m.setattr(os, "kill", lambda pid, sig: (_ for _ in ()).throw(ProcessLookupError(pid)))
+                else:
+                    m.setattr(os, "getpid", lambda: proc.pid)
+                checkpoint.save_with_input_scales(sources["nvfp4"], out / f"next-{len(seen_as)}.safetensors",
+                                                  {"blocks.0.mlp.fc1": 0.01}, {})
+            assert hidden(out) == before, f"a live writer's files were touched ({seen_as})"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    assert hidden(out) == []
+
+
+# Runs Save Calibrated with overwrite=True and dies (SIGKILL: no cleanup of any kind) at the N-th rename or link
+# of the commit, as a process killed mid-way would.
+KILLED_SAVE = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import report
+report.import_pack()
+from h3_fused_nvfp4.tools import comfy_env
+comfy_env.import_comfyui()
+from h3_fused_nvfp4.models.h3 import checkpoint
+class Recorded:  # RecordedStatistics of the test module
+    layers = dict.fromkeys({layers!r})
+    def missing(self):
+        return []
+    def statistics(self):
+        return {{name: {{"amax": 5.0 + i, "calls": 3, "samples": [1.0, 2.0], "p99.9": 1.5, "p99": 1.25}}
+                for i, name in enumerate(self.layers)}}
+calls = []
+def dying(real):
+    def call(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == {n}:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+    return call
+os.replace, os.rename, os.link = dying(os.replace), dying(os.rename), dying(os.link)
+checkpoint.save_calibrated(Recorded(), {source!r}, "h3_nvfp4.safetensors", "calibrated.safetensors", 1.0, "max",
+                           True)
+print("COMPLETED")
+"""
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_an_overwriting_save_killed_mid_way_never_hides_the_checkpoint(models_folder, monkeypatch, n):
+    """ComfyUI killed during an overwriting Save Calibrated (its n-th rename or link), then restarted with the same
+    process id (PID 1 in a container): the checkpoint's name holds a complete file all along, and the next write
+    into the folder leaves the old pair or the new one, never a mix, and no leftover."""
+    save_calibrated(models_folder, "calibrated.safetensors", amax=2.0)
+    old = folder_bytes(models_folder)
+    env = dict(os.environ, COMFYUI_PATH=str(ch.comfy().root), H3_FUSED_NVFP4_SELFCHECK="skip")
+    script = KILLED_SAVE.format(root=str(REPO_ROOT), n=n, layers=BLOCK_LAYERS + REFINER_LAYERS,
+                                source=str(models_folder / "h3_nvfp4.safetensors"))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, out + err[-2000:]
+    assert (models_folder / "calibrated.safetensors").is_file(), "the checkpoint is hidden"
+    assert folder_bytes(models_folder)["calibrated.safetensors"] in (old["calibrated.safetensors"],
+                                                                   checkpoint_bytes_with_amax(models_folder, 5.0))
+    monkeypatch.setattr(os, "getpid", lambda: proc.pid)  # restarted as the same process id
+    save_calibrated(models_folder, "other.safetensors", amax=3.0)  # the next write into the folder
+    after = {k: v for k, v in folder_bytes(models_folder).items() if not k.startswith("other.")}
+    assert set(after) == set(old), sorted(after)
+    pair = (after["calibrated.safetensors"], after["calibrated.calibration.json"])
+    stats_amax = json.loads(pair[1])["layers"]["blocks.0.attn.qkv_proj"]["amax"]
+    assert pair in ((old["calibrated.safetensors"], old["calibrated.calibration.json"]),
+                    (checkpoint_bytes_with_amax(models_folder, 5.0), pair[1])), stats_amax
+    assert (stats_amax == 2.0) == (pair[0] == old["calibrated.safetensors"]), "a mixed pair"
+
+
+@pytest.mark.parametrize("planted", ["a name outside the folder", "another user's lock file"])
+def test_a_planted_move_list_makes_the_cleanup_touch_nothing_else(tmp_path, sources, planted):
+    """The moves a gone writer's lock file lists are undone only for its own temporary files, names in the folder,
+    and a lock file of this user's: a planted one cannot make a later write remove or replace another file."""
+    out = tmp_path / "diffusion_models"
+    out.mkdir()
+    victim = (tmp_path if planted == "a name outside the folder" else out) / "victim.safetensors"
+    victim.write_bytes(b"someone's checkpoint")
+    token = "0123456789abcdef"
+    moves = [[f".victim.0.{token}.partial", "../victim.safetensors" if planted.startswith("a name") else victim.name,
+              None], [f".last.1.{token}.partial", "last.safetensors", None]]
+    lock = out / f".h3-fused-nvfp4.{token}.lock"
+    lock.write_text(json.dumps({"moves": moves}))
+    (out / moves[1][0]).write_bytes(b"the last move's file, never moved")
+    if planted == "another user's lock file":
+        if os.geteuid() != 0:
+            pytest.skip("needs root to give the lock file to another user")
+        os.chown(lock, 65534, 65534)
+    checkpoint.save_with_input_scales(sources["nvfp4"], out / "next.safetensors", {"blocks.0.mlp.fc1": 0.01}, {})
+    assert victim.read_bytes() == b"someone's checkpoint"
+    assert sorted(os.listdir(out)) == sorted(["next.safetensors"] + (["victim.safetensors"] if victim.parent == out
+                                                                      else []))
+
+
+def checkpoint_bytes_with_amax(folder, amax) -> bytes:
+    """The checkpoint Save Calibrated writes for recorded amax ``amax`` (written aside and read back)."""
+    scratch = folder.parent / f"scratch-{amax}"
+    scratch.mkdir(exist_ok=True)
+    if not (scratch / "calibrated.safetensors").exists():
+        shutil.copy(folder / "h3_nvfp4.safetensors", scratch / "h3_nvfp4.safetensors")
+        save_calibrated(scratch, "calibrated.safetensors", amax=amax)
+    return (scratch / "calibrated.safetensors").read_bytes()
+
+
+def test_leftovers_of_a_killed_writer_are_removed_by_the_next_write_to_the_folder(tmp_path, sources, caplog):
+    """A writer killed outright (SIGKILL) leaves its partial file and its lock file; the next write into the folder
+    removes them, and leaves those of a writer that still runs."""
+    out = tmp_path / "diffusion_models"
+    out.mkdir()
+    running = stalled_conversion(sources["bf16"], out / "other.safetensors")
+    try:
+        live = hidden(out)
+        assert len(live) == 2, live  # its partial file and its lock file
+        killed = stalled_conversion(sources["bf16"], out / "h3_nvfp4.safetensors")
+        killed.kill()
+        killed.communicate(timeout=60)
+        left = [name for name in hidden(out) if name not in live]
+        assert len(left) == 2 and any(name.endswith(".partial") for name in left), left
         caplog.set_level(logging.WARNING, logger="h3_fused_nvfp4")
         checkpoint.save_with_input_scales(sources["nvfp4"], out / "next.safetensors", {"blocks.0.mlp.fc1": 0.01}, {})
-        assert sorted(os.listdir(out)) == sorted([running.name, "next.safetensors", "old_pair.safetensors"])
-        assert (out / "old_pair.safetensors").read_bytes() == b"the user's earlier checkpoint"
+        assert sorted(os.listdir(out)) == sorted([*live, "next.safetensors"])
         messages = " ".join(r.getMessage() for r in caplog.records)
-        assert killed in messages and running.name in messages and "still runs" in messages
+        assert all(name in messages for name in left + live if name.endswith(".partial")), messages
+        assert "in use" in messages and "left by an interrupted write" in messages, messages
     finally:
-        sleeper.kill()
-        sleeper.wait()
+        running.send_signal(signal.SIGTERM)
+        running.communicate(timeout=120)
+    assert os.listdir(out) == ["next.safetensors"]

@@ -67,6 +67,11 @@ def test_static_scale(static):
     x = random_activation(1000, 5376)
     scale = torch.tensor([static], dtype=torch.float32, device="cuda")
     assert_same_pack(fused_pack(x, static_scale=scale), *comfy_pack(x, scale), f"static {static} seed {seed}")
+    # with the weight's scale the pack also writes the GEMM alpha from the static scale (comfy-kitchen: a * b)
+    w2 = torch.tensor([3.1e-4], dtype=torch.float32, device="cuda")
+    fused = fused_pack(x, static_scale=scale, weight_scale_2=w2)
+    assert_same_pack(fused, *comfy_pack(x, scale), f"static {static} with alpha, seed {seed}")
+    assert torch.equal(fused.alpha.view(torch.int32), (scale * w2).view(torch.int32))
 
 
 def test_precomputed_global_scale_and_alpha():

@@ -140,6 +140,26 @@ def test_both_scopes_match(scope):
         assert_bit_identical(run_blocks(blocks, inputs), stock, f"scope {scope}, seed {seed}")
 
 
+def test_scope_linears_replaces_only_each_linears_pack(monkeypatch):
+    """scope "linears" does what the node says: each NVFP4 Linear's activation pack, nothing else. The MLP runs
+    ComfyUI's own SwiGLU and fc2 packs its output (a plain source); the same bytes as stock."""
+    from h3_fused_nvfp4.kernels import twin_ops
+
+    seed = fresh_seed()
+    blocks = [syn.make_dit_block(seed=seed + i) for i in range(2)]
+    inputs = syn.make_block_inputs(tokens=TOKENS, seed=seed + 5)
+    stock = run_blocks(blocks, inputs)
+    sources, real = [], twin_ops.pack_nvfp4
+    monkeypatch.setattr(twin_ops, "pack_nvfp4", lambda x, **kw: (sources.append(
+        "swiglu" if kw.get("swiglu") else "norm" if kw.get("norm") else "modulate" if kw.get("modulation") else
+        "plain"), real(x, **kw))[1])
+    with fused(blocks, "linears") as patches:
+        assert {type(p).__name__ for p in patches.values()} == {"FusedNVFP4Linear"}, set(patches)
+        assert_bit_identical(run_blocks(blocks, inputs), stock, f"scope linears, seed {seed}")
+        assert all(v.calls_fused == 1 for v in linears(patches))
+    assert sources == ["plain"] * 8, sources
+
+
 def _halving_override(func, *args, **kwargs):
     """Another node's optimized_attention_override; the fused block must give it exactly the stock call."""
     return func(*args, **kwargs) * 0.5

@@ -22,6 +22,7 @@ import pathlib
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 from parity import within
@@ -367,6 +368,62 @@ def test_nvrtc_is_looked_for_where_linux_and_windows_installs_keep_it(tmp_path, 
     assert not [p for p in found if ".alt." in p or "builtins" in p] and len(found) == len(set(found))
     builtins = runtime._libraries_in(str(site / "nvidia/cu13/bin/x86_64"), runtime.NVRTC_BUILTINS_NAMES)
     assert [os.path.basename(b) for b in builtins] == ["nvrtc-builtins64_130.dll"]
+
+
+def test_nvrtc_is_found_under_a_folder_name_with_brackets(tmp_path, monkeypatch):
+    """A Python environment under a path like ``envs/[gpu]``: the folders are searched as they are named (glob
+    patterns apply to the library names only)."""
+    site = tmp_path / "envs [cu130]" / "[gpu]" / "site"
+    (site / "nvidia" / "cu13" / "lib").mkdir(parents=True)
+    library = site / "nvidia" / "cu13" / "lib" / "libnvrtc.so.13"
+    library.write_bytes(b"")
+    monkeypatch.setattr(runtime.sys, "path", [str(site)])
+    monkeypatch.setattr(runtime.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(runtime.ctypes.util, "find_library", lambda name: None)
+    for name in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    assert runtime._candidate_nvrtc_paths()[0] == str(library)
+
+
+def test_no_nvrtc_says_where_it_looked_and_what_torch_is(tmp_path, monkeypatch):
+    """With a CUDA 13 torch installed, the message does not tell the user to install one: it names the torch build
+    and the folders searched."""
+    monkeypatch.setattr(runtime.sys, "path", [str(tmp_path / "site")])
+    monkeypatch.setattr(runtime.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(runtime.ctypes.util, "find_library", lambda name: None)
+    for name in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(runtime, "_nvrtc", None)
+    monkeypatch.setattr(runtime, "DEFAULT_CUDA_HOME", str(tmp_path / "no toolkit"))
+    (tmp_path / "site" / "nvidia" / "cu13" / "lib").mkdir(parents=True)  # the wheel's folder, without its library
+    torch_module = type(sys)("torch")
+    torch_module.__version__ = "2.11.0+cu130"
+    torch_module.version = type(sys)("torch.version")
+    torch_module.version.cuda = "13.0"
+    monkeypatch.setitem(sys.modules, "torch", torch_module)
+    with pytest.raises(runtime.KernelBuildError) as error:
+        runtime.nvrtc()
+    message = str(error.value)
+    assert "torch 2.11.0+cu130 is a CUDA 13.0 build" in message and "install a CUDA 13" not in message, message
+    assert str(tmp_path / "site" / "nvidia" / "cu13" / "lib") in message, message
+
+
+def test_the_cache_folder_setting_is_read_as_a_user_means_it(tmp_path, monkeypatch, caplog):
+    """``~`` is the home folder; a relative or blank value is not used silently: the default folder is, with a
+    warning once."""
+    monkeypatch.setattr(runtime, "_warned_cache_settings", set())
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    default = tmp_path / "home" / ".cache" / "h3_fused_nvfp4"
+    monkeypatch.setenv("H3_FUSED_NVFP4_CACHE", "~/kernels")
+    assert runtime.cache_dir() == tmp_path / "home" / "kernels"
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level(logging.WARNING, logger="h3_fused_nvfp4")
+    for value in ("relative/cache", "   ", ""):
+        monkeypatch.setenv("H3_FUSED_NVFP4_CACHE", value)
+        assert runtime.cache_dir() == default and runtime.cache_dir() == default, value
+    warnings = [r.getMessage() for r in caplog.records if "H3_FUSED_NVFP4_CACHE" in r.getMessage()]
+    assert len(warnings) == 2 and "relative/cache" in warnings[0] and "blank" in warnings[1], warnings
+    assert not (tmp_path / "~").exists() and not (tmp_path / "relative").exists()
 
 
 # ---- hostile cache paths -------------------------------------------------------------------------------------

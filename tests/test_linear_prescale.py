@@ -81,18 +81,43 @@ def test_hard_tables_through_the_linear():
     assert fused.calls_fused == 2
 
 
-def test_prescale_cast_is_cached_per_table_and_device():
+DEVICES = ["cpu", pytest.param("cuda", marks=GPU)]
+
+
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_table_changed_in_place_gives_comfyuis_new_bytes(device, table_dtype):
+    """ComfyUI casts the ``pre_quant_scale`` per call. Everything its executor loads is an inference tensor, which
+    keeps no version counter: after the table changes in place (same tensor, same address) the fused Linear must
+    read the new values, as ComfyUI's Linear does, whether the table needs a cast (fp32) or not (bf16)."""
+    seed = fresh_seed()
+    with torch.inference_mode():
+        layer = syn.make_nvfp4_linear(256, 64, seed=seed, device=device, pre_quant_scale=awq_table(256, table_dtype))
+        assert layer.pre_quant_scale.is_inference()
+        fused = FusedNVFP4Linear(layer, "awq layer")
+        x = (torch.randn(48, 256, device=device) * 2).to(torch.bfloat16)
+        layer(x)
+        fused(x)  # both arms warm (the first emulated call of a process differs on the H200)
+        for step, change in enumerate((lambda t: t.mul_(3), lambda t: t.copy_(awq_table(256, t.dtype)),
+                                       lambda t: t.neg_())):
+            change(layer.pre_quant_scale)
+            assert_bit_identical(fused(x), layer(x), f"after in-place change {step}, seed {seed}")
+    assert fused.calls_fused == 4 and fused.calls_stock == 0
+
+
+def test_the_cast_table_lives_in_one_persistent_buffer():
+    """A table that needs a cast is cast into the same buffer each call (no per-call allocation); one already in
+    the activation dtype and aligned is read as it is."""
     layer = comfy_layer(256, 64, awq_table(256))
     fused = FusedNVFP4Linear(layer, "awq layer")
     first = fused.prescale(torch.device("cpu"), torch.bfloat16)
-    assert first.dtype == torch.bfloat16 and first.shape == (256,) and first.data_ptr() % 16 == 0
     expected = comfy_adapter.cast_to_device(layer.pre_quant_scale, torch.device("cpu"), torch.bfloat16)
+    assert first.dtype == torch.bfloat16 and first.data_ptr() % 16 == 0
     assert torch.equal(first.view(torch.int16), expected.view(torch.int16))
-    assert fused.prescale(torch.device("cpu"), torch.bfloat16) is first  # no per-call cast
-    with torch.no_grad():
-        layer.pre_quant_scale.mul_(2)  # an in-place update of the table: cast again
-    again = fused.prescale(torch.device("cpu"), torch.bfloat16)
-    assert again is not first and torch.equal(again.float(), (layer.pre_quant_scale * 1).to(torch.bfloat16).float())
+    assert fused.prescale(torch.device("cpu"), torch.bfloat16).data_ptr() == first.data_ptr()
+    bf16 = comfy_layer(256, 64, awq_table(256, torch.bfloat16))
+    table = FusedNVFP4Linear(bf16, "bf16 table").prescale(torch.device("cpu"), torch.bfloat16)
+    assert table.data_ptr() == bf16.pre_quant_scale.data_ptr()
 
 
 @pytest.mark.parametrize("label", list(probes.prescale_activations("cpu")))

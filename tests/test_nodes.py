@@ -52,10 +52,11 @@ def expected_patch_keys(scope: str = "block") -> set[str]:
     for prefix, n in (("blocks", NUM_LAYERS), ("token_refiner.blocks", REFINER_LAYERS)):
         for i in range(n):
             block = f"diffusion_model.{prefix}.{i}"
-            keys.add(f"{block}.mlp.forward")
             keys.update(f"{block}.{path}.forward" for path in LINEAR_PATHS)
-            if prefix == "blocks" and scope == "block":
-                keys.update({f"{block}.forward", f"{block}.attn.forward"})
+            if scope == "block":  # SwiGLU folded into fc2 (refiner blocks too), the DiT blocks' whole fusion
+                keys.add(f"{block}.mlp.forward")
+                if prefix == "blocks":
+                    keys.update({f"{block}.forward", f"{block}.attn.forward"})
     return keys
 
 

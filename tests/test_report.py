@@ -96,8 +96,8 @@ def test_report_json_names_no_local_path(cpu_report):
     assert report["source_artifacts"]["command"] == "python report.py --out report.json"
 
 
-def run_report(tmp_path, *args):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", H3_FUSED_NVFP4_CACHE=str(tmp_path / "cache"))
+def run_report(tmp_path, *args, **environment):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", H3_FUSED_NVFP4_CACHE=str(tmp_path / "cache"), **environment)
     started = time.monotonic()
     proc = subprocess.run([sys.executable, str(ROOT / "report.py"), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -110,9 +110,60 @@ def run_report(tmp_path, *args):
     ("unknown layer", ["--static-layers", "attn.qkv"], "invalid choice: 'attn.qkv'"),
     ("unknown layer after a known one", ["--static-layers", "mlp.fc1", "--static-layers", "blocks.0.mlp.fc2"],
      "invalid choice"),
+    ("no repetitions", ["--reps", "0"], "--reps: 0 is not a positive whole number"),
+    ("negative repetitions", ["--reps=-2"], "--reps: -2 is not a positive whole number"),
 ])
 def test_bad_arguments_are_refused_before_the_run(tmp_path, case, args, message):
     proc, _ = run_report(tmp_path, *[a.format(tmp=tmp_path) for a in args])
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr and "self-check" not in proc.stdout, proc.stdout + proc.stderr
     assert not (tmp_path / "cache").exists(), "the run started"
+
+
+def unwritable(path: pathlib.Path):
+    """Make the existing file ``path`` unwritable to this user (root: immutable); skip where that cannot be done."""
+    os.chmod(path, 0o444)
+    if os.geteuid() == 0:
+        if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+            pytest.skip("root, and no chattr +i here: no file is unwritable to this user")
+    try:
+        with open(path, "ab"):
+            pytest.skip("the file stays writable to this user")
+    except PermissionError:
+        pass
+
+
+def test_an_existing_out_file_it_cannot_write_is_refused_before_the_run(tmp_path):
+    out = tmp_path / "report.json"
+    out.write_text("an earlier report")
+    unwritable(out)
+    try:
+        proc, _ = run_report(tmp_path, "--out", str(out))
+    finally:
+        subprocess.run(["chattr", "-i", str(out)], capture_output=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "cannot be written" in proc.stderr and "self-check" not in proc.stdout, proc.stdout + proc.stderr
+    assert out.read_text() == "an earlier report"
+
+
+def test_results_are_not_lost_when_the_out_file_cannot_take_them(tmp_path):
+    """A full disk at the end of the run (/dev/full: every write fails with ENOSPC): the JSON goes to a file in the
+    temporary folder, named on stdout, and the exit status says it."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc, _ = run_report(tmp_path, "--out", "/dev/full", "--skip-profile", TMPDIR=str(scratch))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (kept,) = scratch.glob("h3-fused-nvfp4-report-*.json")
+    assert "No space left on device" in proc.stdout and str(kept) in proc.stdout, proc.stdout
+    assert json.loads(kept.read_text())["selfcheck"]["summary"].startswith("self-check passed")
+
+
+def test_out_given_as_one_argument_is_recorded_by_its_file_name(tmp_path):
+    elsewhere, cwd = tmp_path / "elsewhere", tmp_path / "cwd"
+    elsewhere.mkdir()
+    cwd.mkdir()
+    proc, _ = run_report(cwd, f"--out={elsewhere / 'my-gpu.json'}", "--skip-profile")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = (elsewhere / "my-gpu.json").read_text()
+    assert json.loads(text)["source_artifacts"]["command"] == "python report.py --out=my-gpu.json --skip-profile"
+    assert str(elsewhere) not in text

@@ -146,6 +146,35 @@ def test_changed_comfyui_block_is_caught_by_the_block_check(monkeypatch):
     assert not again.applied and "block check FAILED" in again.reason
 
 
+@pytest.mark.parametrize("first", ["all NaN", "all inf", "NaN in one row"])
+def test_a_first_input_that_proves_nothing_neither_passes_nor_is_stored(monkeypatch, first):
+    """A changed ComfyUI block (as above) whose first input is not finite: NaN or inf reaches every output element
+    of both blocks (through RMSNorm and attention), so their equal bytes prove nothing about the arithmetic. The
+    check must neither pass nor be stored as passed: that call returns ComfyUI's result, and the next call with a
+    finite input runs the check, which finds the difference."""
+    import comfy.ldm.minimax.model as m
+
+    monkeypatch.setattr(m.DiTBlock, "forward", changed_block_forward)
+    blocks = [syn.make_dit_block(seed=31 + i) for i in range(2)]
+    inputs = syn.make_block_inputs(tokens=TOKENS, seed=33)
+    x = inputs[0].clone()
+    if first == "NaN in one row":
+        x[5] = float("nan")
+    else:
+        x.fill_(float("nan") if first == "all NaN" else float("inf"))
+    broken = (x, *inputs[1:])
+    clone, report = patched_model(blocks)
+    assert report.applied
+    result = run_patched(clone, blocks, broken)
+    state = clone.object_patches["diffusion_model.blocks.0.forward"].state
+    assert state.block_check == "pending", state.block_check_detail
+    assert_bit_identical(result, run_blocks(blocks, broken), "the inconclusive call returns ComfyUI's result")
+    assert json.loads(verdict_path().read_text())["block"] == "pending"
+    assert_bit_identical(run_patched(clone, blocks, inputs), run_blocks(blocks, inputs), "the next call")
+    assert state.block_check == "failed" and "differs at index" in state.block_check_detail
+    assert json.loads(verdict_path().read_text())["block"] == "failed"
+
+
 def test_verdict_is_cached_and_rechecked_when_a_key_part_changes(monkeypatch, own_cache):
     first = verdicts.kernel_verdict(CPU, PROBE_SETS, fused_ops)
     assert first.origin == "ran" and not first.failed()
@@ -213,14 +242,39 @@ def passed_op_zero(text: str) -> str:
     return json.dumps(data)
 
 
-@pytest.mark.parametrize("content", ["[]", "null", '"x"', '{"ops": []}', "{", "ok: 0"])
+def op_without_ok(text: str) -> str:
+    data = json.loads(text)
+    del data["ops"][next(iter(data["ops"]))]["ok"]
+    return json.dumps(data)
+
+
+def no_ops(text: str) -> str:
+    return json.dumps({**json.loads(text), "ops": {}})
+
+
+def a_subset_of_ops(text: str) -> str:  # every op that stays passed; the one left out (pack) would run unchecked
+    data = json.loads(text)
+    del data["ops"]["pack"]
+    return json.dumps(data)
+
+
+def deeply_nested(text: str) -> str:  # 200 KB, deeper than Python's recursion limit
+    return '{"key": ' + "[" * 100_000 + "]" * 100_000 + "}"
+
+
+# this environment's own verdict, changed by each function
+OWN_VERDICT_CHANGED = {"ok: 0": passed_op_zero, "an op without ok": op_without_ok, "no ops": no_ops,
+                       "a subset of ops": a_subset_of_ops, "deeply nested": deeply_nested}
+
+
+@pytest.mark.parametrize("content", ["[]", "null", '"x"', '{"ops": []}', "{", *OWN_VERDICT_CHANGED])
 def test_a_verdict_file_of_another_shape_is_ignored_and_the_check_reruns(content, count_runs, caplog):
     path = verdict_path()
-    if content == "ok: 0":  # this environment's own verdict, one op's "ok" changed to 0
+    if content in OWN_VERDICT_CHANGED:
         verdicts.kernel_verdict(CPU, PROBE_SETS, fused_ops)
         verdicts.forget_verdicts()
         count_runs.clear()
-        content = passed_op_zero(path.read_text())
+        content = OWN_VERDICT_CHANGED[content](path.read_text())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(content)
     caplog.set_level(logging.INFO, logger="h3_fused_nvfp4")
@@ -229,7 +283,8 @@ def test_a_verdict_file_of_another_shape_is_ignored_and_the_check_reruns(content
     assert count_runs == [1], "the check did not run again"
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("ignoring the self-check verdict file" in w for w in warnings), warnings
-    assert verdicts.Verdict.from_json(json.loads(path.read_text()), verdicts.environment_key(CPU, PROBE_SETS))
+    assert verdicts.Verdict.from_json(json.loads(path.read_text()), verdicts.environment_key(CPU, PROBE_SETS),
+                                      verdicts.checked_ops(PROBE_SETS))
 
 
 @pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "oversized"])
@@ -258,6 +313,19 @@ def test_a_verdict_cache_others_can_write_is_warned_about(own_cache, monkeypatch
     caplog.set_level(logging.WARNING, logger="h3_fused_nvfp4")
     verdicts.kernel_verdict(CPU, PROBE_SETS, fused_ops)
     assert any("writable by other users" in r.getMessage() for r in caplog.records)
+
+
+def test_a_verdict_folder_others_can_write_is_warned_about(own_cache, monkeypatch, caplog):
+    """The verdicts live in the cache's selfcheck/ folder: others who can write there could plant a passing one."""
+    from h3_fused_nvfp4.kernels import runtime
+
+    monkeypatch.setattr(runtime, "_warned_folders", set())
+    (own_cache / "selfcheck").mkdir(parents=True)
+    os.chmod(own_cache / "selfcheck", 0o777)
+    caplog.set_level(logging.WARNING, logger="h3_fused_nvfp4")
+    verdicts.kernel_verdict(CPU, PROBE_SETS, fused_ops)
+    warnings = [r.getMessage() for r in caplog.records if "writable by other users" in r.getMessage()]
+    assert any(str(own_cache / "selfcheck") in w for w in warnings), warnings
 
 
 def test_an_unknown_selfcheck_mode_is_auto_with_one_warning(monkeypatch, caplog):

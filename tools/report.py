@@ -29,6 +29,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -39,7 +40,7 @@ from ..core import verdicts
 from ..core.linear import gemm_mode
 from ..core.probes import first_difference
 from ..core.verdicts import package_version
-from ..kernels import cuda_ops
+from ..kernels import cuda_ops, runtime
 from ..kernels.backend import backend_for
 from ..models.h3.patch import PROBE_SETS
 from ..models.h3.structure import LINEAR_PATHS
@@ -573,16 +574,56 @@ def block_dram(kernels: list[dict]) -> dict:
 
 def out_problem(out: str | None) -> str | None:
     """Why the JSON could not be written to ``out`` (None: it can; None stands for the default name in the current
-    folder)."""
+    folder), found before the run."""
     path = pathlib.Path(out) if out else pathlib.Path.cwd() / "h3-fused-nvfp4-report.json"
     if path.is_dir():
         return f"--out {out}: a folder; give a file name, e.g. {path / 'my-gpu.json'}"
     folder = path.parent
     if not folder.is_dir():
         return f"--out {out}: the folder {folder} does not exist"
-    if not os.access(folder, os.W_OK):
+    if path.exists():
+        try:
+            with open(path, "ab"):  # opened as the write will open it, nothing changed
+                pass
+        except OSError as exc:
+            return f"--out {out}: the file cannot be written ({exc.strerror or exc})"
+    elif not os.access(folder, os.W_OK):
         return f"--out {out}: the folder {folder} is not writable"
     return None
+
+
+def positive_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive whole number")
+    return value
+
+
+def write_report(out: pathlib.Path, text: str) -> tuple[pathlib.Path | None, str | None]:
+    """Write the JSON: a regular file (or a new one) is replaced whole (a complete temporary file renamed over it,
+    never a partial one), anything else (a device, a pipe) is written to. Where that fails (a full disk), the JSON
+    goes to a new file in the temporary folder, so the run's results are not lost. Returns (where it went, None if
+    at ``out`` else why ``out`` failed); (None, why) where both failed."""
+    data = text.encode()
+    try:
+        if out.exists() and not out.is_file():
+            with open(out, "wb") as handle:
+                handle.write(data)
+        else:
+            runtime.atomic_write(out, data)
+        return out, None
+    except OSError as exc:
+        problem = f"{exc.strerror or exc}"
+    try:
+        fd, kept = tempfile.mkstemp(prefix="h3-fused-nvfp4-report-", suffix=".json")
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        return pathlib.Path(kept), problem
+    except OSError as exc:
+        return None, f"{problem}; the temporary folder failed too: {exc.strerror or exc}"
 
 
 def local_paths(comfy_root: pathlib.Path | None) -> list[tuple[str, str]]:
@@ -615,8 +656,10 @@ def without_local_paths(value, pairs: list[tuple[str, str]]):
 
 
 def shared_argument(arg: str) -> str:
-    """A command-line argument as the JSON records it: an absolute path by its file name only."""
-    return pathlib.Path(arg).name if os.path.isabs(arg) else arg
+    """A command-line argument as the JSON records it: an absolute path by its file name only, also as the value
+    of ``--option=/path``."""
+    option, equals, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+    return option + equals + (pathlib.Path(value).name if os.path.isabs(value) else value)
 
 
 CPU_NOTE = ("CPU run: a wiring check at a reduced width with the Python twin of the kernels against ComfyUI's real "
@@ -628,7 +671,7 @@ CPU_NOTE = ("CPU run: a wiring check at a reduced width with the Python twin of 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="JSON file (default: h3-fused-nvfp4-report-<gpu>.json in the current folder)")
-    parser.add_argument("--reps", type=int, default=6, help="timed repetitions per arm")
+    parser.add_argument("--reps", type=positive_count, default=6, help="timed repetitions per arm")
     parser.add_argument("--dram", action="store_true", help="DRAM bytes per kernel from Nsight Compute (ncu)")
     parser.add_argument("--all-static", action="store_true", help="every projection with a static input_scale")
     parser.add_argument("--static-layers", action="append", choices=LINEAR_PATHS, metavar="LAYER",
@@ -687,7 +730,8 @@ def main(argv=None) -> int:
     result = without_local_paths(json.loads(json.dumps(result, default=str)), local_paths(comfy.location.root))
     name = (result["device"].get("name", "cpu")).replace(" ", "-").lower()
     out = pathlib.Path(args.out or f"h3-fused-nvfp4-report-{name}.json")
-    out.write_text(json.dumps(result, indent=1, default=str))
+    text = json.dumps(result, indent=1, default=str)
+    written, problem = write_report(out, text)
     v = result.get("validation", {})
     if v:
         scope = (" (CPU wiring check at a reduced width, Python twin: no CUDA kernel ran, no speed measured)"
@@ -707,6 +751,11 @@ def main(argv=None) -> int:
               f"{d['fused']['gb10_projection_ms_at_232_gbs']} ms")
     elif "dram" in result:
         print(f"DRAM bytes: {result['dram']['error'][:500]}")
-    print(f"JSON: {out}")
-    return 0 if not v or (v["block_output_differing_elements"] == 0
-                          and v["block_output_nonfinite_elements"] == 0) else 1
+    if problem is None:
+        print(f"JSON: {out}")
+    elif written is not None:
+        print(f"could not write {out} ({problem}); the JSON is in {written}")
+    else:
+        print(f"could not write {out} ({problem}); the JSON follows\n{text}")
+    return 0 if problem is None and (not v or (v["block_output_differing_elements"] == 0
+                                               and v["block_output_nonfinite_elements"] == 0)) else 1

@@ -6,12 +6,14 @@
 * :func:`save_with_input_scales` - an H3 checkpoint unchanged plus an fp32 ``{layer}.input_scale`` (the static
   activation scale ComfyUI's NVFP4 Linear quantizes its input with) for chosen NVFP4 layers;
 * :func:`inspect_checkpoint` / :func:`select_layers` - what the file holds, read from its header and tags only;
-* :func:`write_safetensors` - the streaming writer both use.
+* :func:`save_calibrated` - Save Calibrated's pair: the checkpoint with input scales and its statistics file.
 
 Memory and safety: the source is read one tensor at a time (``safetensors.safe_open``), the destination is written
-tensor by tensor after a header planned from names, dtypes and shapes, into a temporary file beside it that is
-fsynced and renamed over the destination only once complete. Any failure (a refusal, an exception, a full disk,
-an interrupt) removes the temporary file: no partial checkpoint is ever left where ComfyUI would list it.
+tensor by tensor after a header planned from names, dtypes and shapes, into a hidden temporary file beside it that
+is fsynced and moved over the destination only once complete (core/safetensors_io.py: the destination's name
+always holds a complete file, and the leftovers of a killed writer are removed by the next write into the folder).
+Any failure (a refusal, an exception, a full disk, an interrupt) removes the temporary file: no partial checkpoint
+is ever left where ComfyUI would list it.
 
 How ComfyUI reads the layers, which this module follows by calling ComfyUI rather than re-implementing it:
 
@@ -38,7 +40,6 @@ import dataclasses
 import json
 import math
 import os
-import pathlib
 import re
 import time
 from typing import Iterable, Mapping, Sequence
@@ -54,12 +55,11 @@ from ...core.safetensors_io import (
     CheckpointRefused,
     PlannedTensor,
     Progress,
+    StagedWrite,
+    check_destination,
     check_metadata,
     file_order,
-    replace_together,
-    write_bytes_partial,
     write_safetensors,
-    write_safetensors_partial,
 )
 from ...layout import NVFP4_LAYOUT, packed_shapes
 from .structure import LINEAR_PATHS
@@ -245,37 +245,51 @@ def save_with_input_scales(source_path, dest_path, input_scales: Mapping[str, fl
     """Copy an H3 checkpoint with an fp32 scalar ``{layer}.input_scale`` for each NVFP4 layer of ``input_scales``
     (layer names as in the file or relative to the model; an existing input scale of the layer is replaced).
     The file's metadata is kept, ``metadata`` merged into it. Returns a report."""
-    return _with_input_scales(source_path, dest_path, input_scales, metadata, progress, overwrite, partial=False)
+    dest = os.path.abspath(os.fspath(dest_path))
+    _refuse_same_file(os.path.abspath(os.fspath(source_path)), dest)
+    with StagedWrite(check_destination(dest, overwrite)) as staged:
+        report = _stage_with_input_scales(staged, source_path, dest, input_scales, metadata, progress, overwrite)
+        staged.commit(overwrite)
+    return report
 
 
-def _with_input_scales(source_path, dest_path, input_scales, metadata, progress, overwrite, *, partial: bool) -> dict:
-    """:func:`save_with_input_scales`; ``partial``: stop before the rename, the report's ``partial`` is the
-    complete temporary file (the caller renames or removes it)."""
+def _stage_with_input_scales(staged: StagedWrite, source_path, dest: str, input_scales, metadata, progress,
+                             overwrite, every_nvfp4_layer: bool = False) -> dict:
+    """:func:`save_with_input_scales` up to the move into place: the complete file staged in ``staged``.
+    ``every_nvfp4_layer``: refuse unless ``input_scales`` names exactly the source's NVFP4 layers (scales recorded
+    on the model loaded from that file: any other set is another model's)."""
     started = time.monotonic()
     source = os.path.abspath(os.fspath(source_path))
-    dest = os.path.abspath(os.fspath(dest_path))
     _refuse_same_file(source, dest)
     metadata = dict(metadata or {})
     check_metadata(metadata)
     if not input_scales:
         raise CheckpointRefused("no input scales given")
-    tmp = None
     with _open(source) as handle:
         info = _inspect(handle, source)
         nvfp4 = [layer for layer, fmt in info.layer_formats.items() if fmt == NVFP4_FORMAT]
+        if every_nvfp4_layer:
+            _refuse_other_layers(info, input_scales, nvfp4)
         scales = _resolve_input_scales(info, input_scales, nvfp4)
         replaced = {f"{layer}.input_scale" for layer in scales} & info.tensors.keys()
         planned = [_copied(handle, info, name) for name in info.tensors if name not in replaced]
         planned += [_scalar(f"{layer}.input_scale", scale) for layer, scale in scales.items()]
-        if partial:
-            tmp, size = write_safetensors_partial(dest, file_order(planned, []), {**info.metadata, **metadata},
-                                                  progress=progress, overwrite=overwrite)
-        else:
-            size = write_safetensors(dest, file_order(planned, []), {**info.metadata, **metadata},
-                                     progress=progress, overwrite=overwrite)
+        size = staged.stage_safetensors(dest, file_order(planned, []), {**info.metadata, **metadata},
+                                        progress=progress, overwrite=overwrite)
     return {"dest": dest, "input_scales": {info.relative(layer): scale for layer, scale in scales.items()},
             "replaced": sorted(info.relative(name[:-len(".input_scale")]) for name in replaced),
-            "tensors": len(planned), "bytes": size, "seconds": time.monotonic() - started, "partial": tmp}
+            "tensors": len(planned), "bytes": size, "seconds": time.monotonic() - started}
+
+
+def _refuse_other_layers(info: CheckpointInfo, recorded: Mapping[str, float], nvfp4: Sequence[str]) -> None:
+    in_file = {info.relative(layer) for layer in nvfp4}
+    unrecorded = sorted(in_file - set(recorded), key=_natural_key)
+    foreign = sorted(set(recorded) - in_file, key=_natural_key)
+    if unrecorded or foreign:
+        what = (f"{len(unrecorded)} of its NVFP4 layers were not recorded (e.g. {unrecorded[0]})" if unrecorded else
+                f"{len(foreign)} recorded layers are not in it (e.g. {foreign[0]})")
+        raise CheckpointRefused(f"{os.path.basename(info.path)} is not the checkpoint the calibrated model was loaded "
+                                f"from: {what}; choose the model's own file as unet_name")
 
 
 def _refuse_same_file(source: str, dest: str) -> None:
@@ -306,7 +320,9 @@ class _NVFP4Layer:
 
     def _take(self, suffix: str) -> torch.Tensor:
         if self._entries is None:
-            entries = nvfp4_checkpoint_entries(self.layer, self._bf16_weight(), self.input_scale)
+            weight = self._bf16_weight()
+            _refuse_unrepresentable(self.info.relative(self.layer), weight)
+            entries = nvfp4_checkpoint_entries(self.layer, weight, self.input_scale)
             del entries[f"{self.layer}.comfy_quant"]  # written with the other 1-byte tensors
             self._entries = {k: v.to("cpu") for k, v in entries.items()}
         return self._entries.pop(f"{self.layer}.{suffix}")  # dropped once written
@@ -325,6 +341,24 @@ class _NVFP4Layer:
         return quantized.dequantize()  # the device's arithmetic (module docstring)
 
 
+def _refuse_unrepresentable(name: str, weight: torch.Tensor) -> None:
+    """A weight ComfyUI's NVFP4 quantizer turns into a layer that computes NaN for every output: all zeros (its
+    weight_scale_2 is 0), or a NaN or inf anywhere (the layer's one scale becomes NaN or inf). Refused, naming the
+    layer; the write stops and leaves nothing."""
+    nan, inf = int(torch.isnan(weight).sum()), int(torch.isinf(weight).sum())
+    if nan or inf:
+        what = f"{nan} NaN" if nan else f"{inf} infinite"
+        problem = f"its weight has {what} value{'s' if max(nan, inf) > 1 else ''} (of {weight.numel()})"
+    elif not bool(weight.any()):
+        problem = "its weight is all zeros"
+    else:
+        return
+    scale = "NaN" if nan else "inf" if inf else "0"
+    raise CheckpointRefused(f"{name}: {problem}: ComfyUI's NVFP4 quantizer would store a global scale of {scale} and "
+                            "the layer would compute NaN for every output. Leave it out of the conversion (--layers "
+                            "with a pattern that does not match it) or fix the source")
+
+
 def _fp8_scale_key(info: CheckpointInfo, layer: str) -> str:
     key = f"{layer}.weight_scale"
     return key if key in info.tensors else f"{layer}.scale_weight"
@@ -335,6 +369,10 @@ def _check_convertible(info: CheckpointInfo, layer: str) -> None:
     name = info.relative(layer)
     if fmt == NVFP4_FORMAT:
         raise CheckpointRefused(f"{name} is already NVFP4 (add static input scales with save_with_input_scales)")
+    shape = info.tensors[f"{layer}.weight"][1]
+    if 0 in shape:
+        raise CheckpointRefused(f"{name} has a weight of shape {list(shape)}: an empty Linear has nothing to quantize; "
+                                "leave it out of the conversion (--layers)")
     if fmt is None:
         dtype = info.tensors[f"{layer}.weight"][0]
         if dtype not in _PLAIN_WEIGHT_DTYPES:
@@ -458,12 +496,32 @@ def checkpoint_file_name(filename: str) -> str:
     return filename
 
 
+def statistics_file_name(filename: str) -> str:
+    """The statistics file Save Calibrated writes beside checkpoint ``filename``: its name without the extension
+    + ``.calibration.json``."""
+    return filename.rsplit(".", 1)[0] + ".calibration.json"
+
+
+def _refuse_shared_statistics(folder: str, filename: str) -> None:
+    """Another checkpoint in ``folder`` (``x.sft`` beside ``x.safetensors``) has the same statistics file name: one
+    save would overwrite the other's statistics."""
+    stats = statistics_file_name(filename)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for other in sorted(names):
+        if other != filename and other.lower().endswith(CHECKPOINT_SUFFIXES) and statistics_file_name(other) == stats:
+            raise ValueError(f"{filename}: its statistics file {stats} is also the statistics file of {other}; "
+                             "choose another name")
+
+
 def save_calibrated(recorder, source: str, unet_name: str, filename: str, headroom: float, statistic: str,
                     overwrite: bool, progress: Progress | None = None) -> str:
     """Write ``filename`` beside ``source`` (the checkpoint ``unet_name`` the model was loaded from): its tensors
     unchanged + the recorded input scales, and the statistics as JSON beside it. Both files or neither: both are
-    written completely under temporary names first, then renamed into place together; an overwritten pair is kept
-    aside until the new one is in place and put back on a failure. Returns the summary line."""
+    written completely under temporary names first, then moved into place together (the statistics first, kept
+    aside until the checkpoint is in place: core/safetensors_io.py). Returns the summary line."""
     filename = checkpoint_file_name(filename)
     if recorder is None or not recorder.layers:
         raise ValueError("no calibration data: connect the MODEL that went through 'Calibrate H3 NVFP4 Scales' "
@@ -472,26 +530,38 @@ def save_calibrated(recorder, source: str, unet_name: str, filename: str, headro
     if never:
         raise ValueError(f"{len(never)} NVFP4 layers were never called while recording (e.g. {never[0]}); "
                          "run the whole sampling with the calibrating model first")
+    known = getattr(recorder, "source", None)
+    if known is not None and not _same_path(known, source):
+        raise ValueError(f"the calibrated model was loaded from {os.path.basename(known)}, not {unet_name}: its input "
+                         f"scales go into a copy of its own file; choose {os.path.basename(known)} as unet_name")
     stats = recorder.statistics()
     scales = calibration.input_scales(stats, headroom, statistic)
-    folder = os.path.dirname(source)  # the models/diffusion_models folder the source was found in
+    folder = os.path.dirname(os.path.abspath(source))  # the models/diffusion_models folder the source was found in
     dest = os.path.join(folder, filename)
-    stats_path = pathlib.Path(dest.rsplit(".", 1)[0] + ".calibration.json")
-    if stats_path.exists() and not overwrite:
-        raise ValueError(f"{stats_path} exists; choose another name or enable overwrite")
+    stats_path = os.path.join(folder, statistics_file_name(filename))
+    _refuse_same_file(os.path.abspath(source), dest)
+    _refuse_shared_statistics(folder, filename)
+    for path in (stats_path, dest):  # before anything is written
+        check_destination(path, overwrite)
     summary = {"source": unet_name, "headroom": headroom, "statistic": statistic}
     metadata = {"h3_fused_nvfp4.calibration": _json_text(
         {**summary, "layers": {k: {key: v[key] for key in ("amax", "calls", *calibration.STATISTICS[1:])}
                                for k, v in stats.items()}})}
-    report = _with_input_scales(source, dest, scales, metadata, progress, overwrite, partial=True)
-    stats_tmp = None
-    try:
-        stats_tmp = write_bytes_partial(stats_path, _json_text({**summary, "layers": stats}, indent=1).encode())
-        replace_together([(report["partial"], dest), (stats_tmp, str(stats_path))], overwrite)
-    except BaseException:
-        for tmp in (report["partial"], stats_tmp):
-            if tmp is not None and os.path.lexists(tmp):
-                os.unlink(tmp)
-        raise
+    with StagedWrite(folder) as staged:
+        staged.stage_bytes(stats_path, _json_text({**summary, "layers": stats}, indent=1).encode(),
+                           overwrite=overwrite)
+        report = _stage_with_input_scales(staged, source, dest, scales, metadata, progress, overwrite,
+                                          every_nvfp4_layer=True)
+        staged.commit(overwrite)
+    unknown = ("" if known is not None else " (ComfyUI did not say which file the model was loaded from: only its "
+               "NVFP4 layer names were checked against that file)")
     return (f"H3 fused NVFP4: wrote {os.path.basename(dest)} with a static input_scale for {len(scales)} layers "
-            f"({statistic} x {headroom}); statistics in {stats_path.name}; {report['seconds']:.1f} s")
+            f"({statistic} x {headroom}); statistics in {os.path.basename(stats_path)}; {report['seconds']:.1f} s"
+            + unknown)
+
+
+def _same_path(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them is gone
+        return os.path.normcase(os.path.abspath(a)) == os.path.normcase(os.path.abspath(b))

@@ -4,9 +4,9 @@ Patched keys (``diffusion_model.`` prefix), on top of the core's fused Linear fo
 
     blocks.{i}.forward                        FusedDiTBlock      (scope "block")
     blocks.{i}.attn.forward                   FusedAttention     (scope "block": RMSNorm+RoPE kernel)
-    blocks.{i}.mlp.forward                    FusedSwigluMLP     (SwiGLU folded into fc2's pack)
-    token_refiner.blocks.{i}.mlp.forward      FusedSwigluMLP
-    ...{attn.qkv_proj,attn.out_proj,mlp.fc1,mlp.fc2}.forward   FusedNVFP4Linear, NVFP4 layers only
+    blocks.{i}.mlp.forward                    FusedSwigluMLP     (scope "block": SwiGLU folded into fc2's pack)
+    token_refiner.blocks.{i}.mlp.forward      FusedSwigluMLP     (scope "block")
+    ...{attn.qkv_proj,attn.out_proj,mlp.fc1,mlp.fc2}.forward   FusedNVFP4Linear, NVFP4 layers only (both scopes)
 
 Matching is structural (models/h3/structure.py); the self-check runs the Linear's probes and H3's
 (models/h3/probes.py), and the first patched block checks the whole block on the first forward.
@@ -50,21 +50,20 @@ def build(diffusion_model, scope: str = "block") -> FamilyPatches | None:
         if not fused:
             previous = None
             continue
+        dit, refiner = dit + (blk.kind == "dit"), refiner + (blk.kind != "dit")
+        if scope != "block":  # "linears": each NVFP4 Linear's pack only (the fused Linears above)
+            continue
         mlp = FusedSwigluMLP(blk.module.mlp, f"{blk.prefix}.mlp", fused.get("mlp.fc1"), fused.get("mlp.fc2"))
         patches[f"{blk.prefix}.mlp.forward"] = mlp
         if blk.kind == "dit":
-            dit += 1
-            if scope == "block":
-                attention = FusedAttention(blk.module.attn, f"{blk.prefix}.attn", fused.get("attn.qkv_proj"))
-                index = int(blk.prefix.rsplit(".", 1)[1])
-                block = FusedDiTBlock(blk.module, blk.prefix, index, attention, mlp, state)
-                if previous is not None and previous.index == index - 1:
-                    previous.next = block
-                patches[f"{blk.prefix}.forward"] = block
-                patches[f"{blk.prefix}.attn.forward"] = attention
-                previous = block
-        else:
-            refiner += 1
+            attention = FusedAttention(blk.module.attn, f"{blk.prefix}.attn", fused.get("attn.qkv_proj"))
+            index = int(blk.prefix.rsplit(".", 1)[1])
+            block = FusedDiTBlock(blk.module, blk.prefix, index, attention, mlp, state)
+            if previous is not None and previous.index == index - 1:
+                previous.next = block
+            patches[f"{blk.prefix}.forward"] = block
+            patches[f"{blk.prefix}.attn.forward"] = attention
+            previous = block
     if not patches:
         return None
 
