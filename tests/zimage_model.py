@@ -1,10 +1,10 @@
 """ComfyUI's real Z-Image model (``NextDiT``), stock and through the Patch node's path, for the Z-Image model tests.
 
 A random-weight NVFP4 checkpoint of tools/families.py (ComfyUI's own model class and quantizer, the official key
-names) is loaded by ``comfy.sd.load_diffusion_model_state_dict``; the fused arm is the clone ``models.patch.apply_fused``
-returns, as the Patch node makes it; forwards run as ComfyUI's sampling runs them (``load_models_gpu`` applies the
-clone's object patches; timesteps from the model's own sampling; batch entries with their own sigma; reference
-latents make NextDiT's omni path, whose blocks take ``timestep_zero_index``).
+names) is loaded by ``comfy.sd.load_diffusion_model_state_dict``; the fused arm is the clone that
+``models.patch.apply_fused`` returns, as the Patch node makes it; forwards run as ComfyUI's sampling runs them
+(``load_models_gpu`` applies the clone's object patches; timesteps from the model's own sampling; batch entries
+with their own sigma; reference latents make NextDiT's omni path, whose blocks take ``timestep_zero_index``).
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def inputs(patcher, *, sigmas=(0.7,), width: str = "tiny", text_tokens: int = 7,
     omni path, ``timestep_zero_index`` in its blocks)."""
     base = patcher.model
     dm = base.diffusion_model
-    entries = [fam.family_inputs("z_image", dm, width=width, tokens=text_tokens, seed=seed + i) for i in range(len(sigmas))]
+    entries = [fam.family_inputs("z_image", dm, width=width, tokens=text_tokens, seed=seed + i)
+               for i in range(len(sigmas))]
     x = torch.cat([e.args[0] for e in entries]).to(device)
     context = torch.cat([e.args[2] for e in entries]).to(device)
     timesteps = base.model_sampling.timestep(torch.tensor(sigmas, dtype=torch.float32)).float().to(device)
