@@ -27,8 +27,10 @@
 #   families       benchmarks/families.py: each NVFP4 model family (Z-Image, FLUX.2 klein and dev, Wan 2.2 14B,
 #                  LTX-2, Qwen-Image) at its official widths with 2 blocks, stock vs the Patch node's clone: parity,
 #                  calls fused, time, peak memory, and under ncu the Linear input path's DRAM bytes against its floor
+#                  and both arms' whole non-GEMM non-attention bytes per forward (block fusions profiled by blocks,
+#                  against their exact-fusion floor; GB10 projection per forward and per 8-step image)
 #                  -> families.json. FAMILIES=a,b picks families, FAMILIES_ARGS adds arguments (--no-ncu, --layers N,
-#                  --dtype bf16), FAMILIES_TIMEOUT (default 560 s) is its time limit
+#                  --dtype bf16, --ncu-timeout S, --ncu-blocks-only), FAMILIES_TIMEOUT (default 560 s) is its limit
 #   server         benchmarks/real_server.py: ComfyUI's real main.py with the pack installed, only ComfyUI's own flags,
 #                  random-weight NVFP4 H3, Wan 2.2 (fp16) and Z-Image files with and without a LoRA, graphs through
 #                  the HTTP API in each memory mode (dynamic VRAM with and without the Comfy compiler, classic):
