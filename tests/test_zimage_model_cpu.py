@@ -289,9 +289,11 @@ def test_scope_linears_patches_the_packs_only():
     assert all(v.calls_fused == 1 for v in zm.linears(clone).values())
 
 
-def test_blocks_at_token_counts_off_16_and_128():
+def test_blocks_at_token_counts_off_16_and_128_leave_what_the_caller_holds():
     """The patched blocks called the way NextDiT calls them, on 37 tokens a batch entry (Z-Image pads its sequences
-    to 32 tokens; other callers need not), batch 2 with timestep_zero_index: ComfyUI's blocks bit for bit."""
+    to 32 tokens; other callers need not), batch 2 with timestep_zero_index: ComfyUI's blocks bit for bit. The
+    caller keeps the input and every block's output (a cache of the first block's output does): ComfyUI's blocks
+    return new tensors, and so do the fused ones (the hand-over between them taken)."""
     from zimage_block import TINY, make_inputs
 
     seed = fresh_seed()
@@ -304,16 +306,19 @@ def test_blocks_at_token_counts_off_16_and_128():
         import comfy.model_management as mm
 
         mm.load_models_gpu([model_patcher])
-        x = inputs.x
+        held = [inputs.x.clone()]
         with torch.inference_mode():
             for i, layer in enumerate(model_patcher.model.diffusion_model.layers):
-                x = layer(x, None, inputs.freqs_cis, adaln, timestep_zero_index=inputs.timestep_zero_index,
-                          transformer_options={"block_index": i})
-        return x.clone()
+                held.append(layer(held[-1], None, inputs.freqs_cis, adaln,
+                                  timestep_zero_index=inputs.timestep_zero_index,
+                                  transformer_options={"block_index": i}))
+        return held
 
-    stock = run(patcher)
+    stock = [t.clone() for t in run(patcher)]
     clone, _ = zm.fused(patcher)
-    assert_bit_identical(run(clone), stock, f"37 tokens, seed {seed}")
+    fused = run(clone)
+    for i, (a, b) in enumerate(zip(fused, stock)):
+        assert_bit_identical(a, b, f"37 tokens, {'the input' if i == 0 else f'layer {i - 1} output'}, seed {seed}")
     layers = {n: b.counts for n, b in zm.blocks(clone).items() if n.startswith("layers")}
     assert layers["layers.0"]["handoff_out"] == layers["layers.1"]["handoff_in"] == 1
     assert all(c["residual"] == 2 for c in layers.values())

@@ -25,10 +25,8 @@ have no adaLN tables and no gates), per block with x the ``[B, S, D]`` residual 
 tanh of a gate is ComfyUI's op on the small [rows, D] adaLN table; ``clamp_fp16`` is the identity in bf16, the one
 compute dtype the block's kernels take (a model computing in fp16 runs ComfyUI's block, its NVFP4 Linears keep their
 fp16 packs). ``timestep_zero_index`` (omni / reference images) selects each token's adaLN row through the row index
-(modulation.py). ComfyUI's block writes new tensors where the fused residuals write in place: the first block of a
-chain (or any block not handed the stream by its predecessor) copies its input once; a block handed over works on
-the stream its predecessor returned, which nothing else reads (the hand-over is refused where ComfyUI's post-block
-patches could).
+(modulation.py). ComfyUI's block writes new tensors where the fused residuals write in place: each block works on a
+copy of its input, so neither its input nor the output of the block before (which a caller may keep) changes.
 
 Every step that cannot run its kernel runs ComfyUI's own op with the reason logged once; the toolkit (blocks/) makes
 the per-call decision, the block check at first use and the hand-over slot.
@@ -227,10 +225,9 @@ class FusedJointBlock(FusedBlock):
         self.counts["handoff_in"] += incoming is not None
         with allocation_context():  # every block allocates alike, handed its tables or not
             tables = incoming.tables if incoming is not None else self.tables(call)
-        if incoming is not None:  # the stream the previous fused block returned: updated in place
-            x = call.x.view(batch * tokens, dim)
-        else:  # ComfyUI's block leaves its input as it is
-            x = call.x.reshape(batch * tokens, dim).clone(memory_format=torch.contiguous_format)
+        # ComfyUI's block leaves its input as it is and returns a new tensor (a caller may hold either: a cache of a
+        # block's output, say); the residual kernels write in place, so they work on a copy
+        x = call.x.reshape(batch * tokens, dim).clone(memory_format=torch.contiguous_format)
         x3 = x.view(batch, tokens, dim)
         tzi = call.timestep_zero_index
 
