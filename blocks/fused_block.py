@@ -255,28 +255,31 @@ class FusedBlock(PackPatch):
         return n, LinearSource(lambda: modulate(n), modulation=modulation)
 
     def post_norm_residual(self, plan: ForwardPlan, x, other, other_norm, name: str, gate, index, next_norm,
-                           next_modulation, global_scale_out, stock_residual):
+                           next_modulation, global_scale_out, stock_residual, x_from=None):
         """In place ``x += gate[index[r]] * other_norm(other)`` (the post-norm, or sandwich-norm, residual; ``x +=
         other_norm(other)`` without a gate), ``other_norm`` an RMSNorm module (``name``) reduced in the same pass; with
-        ``next_norm`` also that norm's statistics of the new x (and the next projection's global scale into
-        ``global_scale_out``). ``stock_residual()`` is ComfyUI's op on ``x``, run where the kernel cannot. Returns
-        whether the statistics were produced."""
+        ``x_from`` out of place, ``x = x_from + ...`` (``x_from`` left as it is); with ``next_norm`` also that norm's
+        statistics of the new x (and the next projection's global scale into ``global_scale_out``).
+        ``stock_residual()`` is ComfyUI's op on ``x``, run (after ``x_from`` is copied to ``x``) where the kernel
+        cannot. Returns whether the statistics were produced."""
         op = "post_norm_residual_gated" if gate is not None else "post_norm_residual"
         reason = self.fold_refusal(other, other_norm, plan) or plan.refusal(op)
         if reason is None:
             weight = self.norm_weight(other_norm, other, name)
             reason = plan.backend.post_norm_residual_support(x, other, weight, gate, next_norm=next_norm,
-                                                             next_modulation=next_modulation)
+                                                             next_modulation=next_modulation, x_from=x_from)
         if reason is None:
             try:
                 plan.backend.post_norm_residual_(x, other, weight, float(other_norm.eps), gate, index,
                                                  next_norm=next_norm, next_modulation=next_modulation,
-                                                 global_scale_out=global_scale_out)
+                                                 global_scale_out=global_scale_out, x_from=x_from)
                 self.counts["residual"] += 1
                 return next_norm is not None
             except (KernelBuildError, ValueError) as exc:
                 reason = f"kernel failed: {exc}"
         note_fallback(f"{self.name} post-norm residual ({name})", reason)
+        if x_from is not None:
+            x.copy_(x_from)
         stock_residual()
         return self._statistics_after_stock(plan, x, next_norm, next_modulation, global_scale_out)
 

@@ -25,8 +25,9 @@ have no adaLN tables and no gates), per block with x the ``[B, S, D]`` residual 
 tanh of a gate is ComfyUI's op on the small [rows, D] adaLN table; ``clamp_fp16`` is the identity in bf16, the one
 compute dtype the block's kernels take (a model computing in fp16 runs ComfyUI's block, its NVFP4 Linears keep their
 fp16 packs). ``timestep_zero_index`` (omni / reference images) selects each token's adaLN row through the row index
-(modulation.py). ComfyUI's block writes new tensors where the fused residuals write in place: each block works on a
-copy of its input, so neither its input nor the output of the block before (which a caller may keep) changes.
+(modulation.py). ComfyUI's block returns a new tensor and leaves its input as it is (a caller may keep either: a
+cache of a block's output, say): the first residual kernel reads the block's input and writes the new stream (out
+of place), the second updates that stream in place.
 
 Every step that cannot run its kernel runs ComfyUI's own op with the reason logged once; the toolkit (blocks/) makes
 the per-call decision, the block check at first use and the hand-over slot.
@@ -47,7 +48,7 @@ from ...comfy_adapter import allocation_context
 from ...core.fallbacks import note_fallback
 from ...core.linear import FusedNVFP4Linear, LinearSource, SharedInput
 from ...core.plan import ForwardPlan
-from ...layout import Modulation, RmsNorm
+from ...layout import Modulation, RmsNorm, rows_readable_in_place
 from .modulation import adaln_row_index
 from .probes import ZIMAGE_PROBES
 from .structure import submodule
@@ -226,8 +227,11 @@ class FusedJointBlock(FusedBlock):
         with allocation_context():  # every block allocates alike, handed its tables or not
             tables = incoming.tables if incoming is not None else self.tables(call)
         # ComfyUI's block leaves its input as it is and returns a new tensor (a caller may hold either: a cache of a
-        # block's output, say); the residual kernels write in place, so they work on a copy
-        x = call.x.reshape(batch * tokens, dim).clone(memory_format=torch.contiguous_format)
+        # block's output, say): the first residual reads the input and writes the new stream, the second updates it
+        x_in = call.x.reshape(batch * tokens, dim)
+        if x_in.stride() != (dim, 1) or not rows_readable_in_place(x_in):
+            x_in = x_in.clone(memory_format=torch.contiguous_format)
+        x = torch.empty_like(x_in, memory_format=torch.contiguous_format)
         x3 = x.view(batch, tokens, dim)
         tzi = call.timestep_zero_index
 
@@ -237,7 +241,7 @@ class FusedJointBlock(FusedBlock):
             return n if scale is None else self.modulate(n, scale, timestep_zero_index=tzi)
 
         # ---- attention half
-        h, source = self.norm_source(plan, x, block.attention_norm1, tables.attention, "attention_norm1",
+        h, source = self.norm_source(plan, x_in, block.attention_norm1, tables.attention, "attention_norm1",
                                      self.linears.get("attention.qkv"), incoming,
                                      lambda n: modulated(n, tables.chunk(0)))
         qkv = self._project("attention.qkv", h, source, plan)
@@ -254,7 +258,8 @@ class FusedJointBlock(FusedBlock):
                 g_ffn = scalars[0:1]
         else:
             note_fallback(f"{self.name}.ffn_norm1", f"torch's RMSNorm runs: {reason}")
-        folded = self._residual(plan, call, x, o, "attention_norm2", tables, 1, ffn_norm, tables.ffn, g_ffn)
+        folded = self._residual(plan, call, x, o, "attention_norm2", tables, 1, ffn_norm, tables.ffn, g_ffn,
+                                x_from=x_in)
         self.counts["ffn_norm1"] += folded
 
         # ---- feed-forward: w1 and w3 read one pack, SwiGLU folded into w2's
@@ -323,10 +328,11 @@ class FusedJointBlock(FusedBlock):
                                        skip_reshape=True, transformer_options=options)
 
     def _residual(self, plan: ForwardPlan, call: JointCall, x, other, norm_name: str, tables: Tables, gate: int,
-                  next_norm, next_modulation, global_scale_out) -> bool:
+                  next_norm, next_modulation, global_scale_out, x_from=None) -> bool:
         """The post-norm residual ``x += apply_gate(tanh(gate_chunk), norm(other))`` (a refiner: ``x +=
-        norm(other)``) through the toolkit's kernel step, ComfyUI's ops where it cannot run; ``gate``: the index of
-        the gate among the adaLN chunks. Returns whether the next norm's statistics were produced."""
+        norm(other)``; ``x = x_from + ...`` with ``x_from``) through the toolkit's kernel step, ComfyUI's ops where
+        it cannot run; ``gate``: the index of the gate among the adaLN chunks. Returns whether the next norm's
+        statistics were produced."""
         norm = getattr(self.block, norm_name)
         gate_chunk = tables.chunk(gate)
         batch, tokens, dim = call.x.shape
@@ -339,7 +345,7 @@ class FusedJointBlock(FusedBlock):
 
         gate_table = tables.gate_attention if gate == 1 else tables.gate_ffn
         return self.post_norm_residual(plan, x, other, norm, norm_name, gate_table, tables.index, next_norm,
-                                       next_modulation, global_scale_out, stock)
+                                       next_modulation, global_scale_out, stock, x_from=x_from)
 
     def _residual_with_handoff(self, plan: ForwardPlan, call: JointCall, x, y, tables: Tables):
         nxt = self.next
