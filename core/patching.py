@@ -243,7 +243,8 @@ def apply_fused(model_patcher, scope: str, families: tuple[ModelFamily, ...], *,
     if report.applied:
         compute_dtype = comfy_adapter.model_compute_dtype(clone)
         report.gemm = gemm_description(device, compute_dtype)
-        report.block_note = (found.dtype_refusal(compute_dtype) if found is not None else None) or ""
+        blocks = found is not None and any(not isinstance(v, FusedNVFP4Linear) for v in found.patches.values())
+        report.block_note = (found.dtype_refusal(compute_dtype) if blocks else None) or ""
         for key, value in patches.items():
             if report.block_note and not isinstance(value, FusedNVFP4Linear):
                 continue  # the family's block patches stay off: its fused Linears (and the others) are patched

@@ -262,6 +262,8 @@ def test_fp16_compute_keeps_comfyuis_blocks_and_says_why(monkeypatch):
     assert not zm.blocks(clone) and len(zm.linears(clone)) == 30
     assert_bit_identical(zm.forward(clone, call), stock, f"fp16, seed {seed}")
     assert all(v.calls_fused == 1 for v in zm.linears(clone).values())
+    _, linears_only = zm.fused(patcher, scope="linears")  # no block fusion asked for: nothing to say about it
+    assert "block fusion off" not in linears_only.summary(), linears_only.summary()
 
 
 def test_fp16_call_of_a_fused_block_is_refused_by_name():
