@@ -324,3 +324,24 @@ def test_blocks_at_token_counts_off_16_and_128_leave_what_the_caller_holds():
     layers = {n: b.counts for n, b in zm.blocks(clone).items() if n.startswith("layers")}
     assert layers["layers.0"]["handoff_out"] == layers["layers.1"]["handoff_in"] == 1
     assert all(c["residual"] == 2 for c in layers.values())
+
+
+def test_handoff_waits_for_the_next_blocks_weights_under_dynamic_vram(monkeypatch):
+    """Under dynamic VRAM the hand-over reads the next block's adaLN projection and attention_norm1 (a refiner: the
+    norm) through ComfyUI's cast only once dynamic VRAM keeps them in VRAM (the toolkit asks the block which)."""
+    from h3_fused_nvfp4 import comfy_adapter
+    from h3_fused_nvfp4.models.zimage.block import JointCall
+
+    clone, _ = zm.fused(zm.build(seed=fresh_seed()))
+    blocks = zm.blocks(clone)
+    streamed = {blocks["layers.1"].block.adaLN_modulation, blocks["context_refiner.1"].block.attention_norm1}
+    monkeypatch.setattr(comfy_adapter, "weights_in_vram", lambda module: module not in streamed)
+    x = torch.zeros(1, 32, 256, dtype=torch.bfloat16)
+    options = {"prefetch_dynamic_vbars": True}
+    layer = JointCall(x, None, None, torch.zeros(1, 256, dtype=torch.bfloat16), None, dict(options, block_index=0))
+    assert "not kept the next block's adaLN_modulation weights in VRAM" in blocks["layers.0"].handoff_refusal(layer)
+    refiner = JointCall(x, None, None, None, None, options)
+    assert "next block's attention_norm1 weights" in blocks["context_refiner.0"].handoff_refusal(refiner)
+    assert blocks["noise_refiner.0"].handoff_refusal(JointCall(x, None, None, layer.adaln_input, None, options)) is None
+    streamed.clear()
+    assert blocks["layers.0"].handoff_refusal(layer) is None
