@@ -219,17 +219,21 @@ def test_block_check_passes_at_the_first_forward():
 
 
 def test_block_check_catches_a_planted_change_of_comfyuis_block(monkeypatch):
-    """ComfyUI's modulation changed (one more rounding): the block check of the modulated blocks finds the
-    difference, those blocks run ComfyUI's (changed) code from then on, the refiner blocks stay fused."""
+    """ComfyUI's modulation changed (one rounding where it rounds twice: ``1 + scale``, then the product): the block
+    check of the modulated blocks finds the difference, those blocks run ComfyUI's (changed) code from then on, the
+    refiner blocks stay fused."""
     from h3_fused_nvfp4 import comfy_adapter
 
     seed = fresh_seed()
     patcher = zm.build(seed=seed)
     call = zm.inputs(patcher, sigmas=SIGMAS, seed=seed + 1)
     lumina = comfy_adapter.lumina_model_module()
-    modulate = lumina.modulate
-    monkeypatch.setattr(lumina, "modulate", lambda x, scale, timestep_zero_index=None: modulate(
-        x, scale.float().add(2.0 ** -12).to(scale.dtype), timestep_zero_index=timestep_zero_index))
+
+    def modulate_rounding_once(x, scale, timestep_zero_index=None):
+        assert timestep_zero_index is None
+        return (x.float() * (1 + scale.float().unsqueeze(1))).to(x.dtype)
+
+    monkeypatch.setattr(lumina, "modulate", modulate_rounding_once)
     stock = zm.forward(patcher, call)
     clone, _ = zm.fused(patcher, block_check="pending")
     first, second = zm.forward(clone, call), zm.forward(clone, call)

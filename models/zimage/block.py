@@ -273,7 +273,7 @@ class FusedJointBlock(FusedBlock):
         y = self._ffn_down(x1, x3_up, plan).reshape(batch * tokens, dim)
 
         # ---- residual 2, with the next block's attention_norm1 statistics and qkv amax where that block is ours
-        if handoff:
+        if handoff and self.next is not None:  # the last block of a list has none to hand over to
             reason = self.handoff_refusal(call)
             if reason is None:
                 reason = self.next.fold_refusal(x, self.next.block.attention_norm1, plan)
