@@ -177,6 +177,23 @@ def layer_norm_weights(norm, x: torch.Tensor):
             yield weight, bias
 
 
+def qk_rms_rope(q_norm, k_norm, q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor):
+    """comfy-kitchen's per-head RMSNorm + RoPE of ``q`` and ``k`` (``ck.rms_rope``, new tensors) with the weights of
+    RMSNorm modules ``q_norm`` / ``k_norm`` as ComfyUI's ``cast_bias_weight`` hands them out for these inputs and
+    takes them back after (offloaded or dynamic-VRAM weights), and the norm's eps (float32's where it has none):
+    what ComfyUI's joint attention runs between its qkv projection and the attention."""
+    import comfy.ops
+
+    q_weight, _, q_stream = comfy.ops.cast_bias_weight(q_norm, q, offloadable=True)
+    k_weight, _, k_stream = comfy.ops.cast_bias_weight(k_norm, k, offloadable=True)
+    eps = q_norm.eps if q_norm.eps is not None else torch.finfo(torch.float32).eps
+    try:
+        return quant_ops().ck.rms_rope(q, k, freqs, q_weight, k_weight, eps)
+    finally:
+        comfy.ops.uncast_bias_weight(q_norm, q_weight, None, q_stream)
+        comfy.ops.uncast_bias_weight(k_norm, k_weight, None, k_stream)
+
+
 def cast_to(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
     try:
         import comfy.model_management

@@ -52,6 +52,23 @@ layout, activation functions, bf16 GEMMs, other): where a block fusion would sav
 232 GB/s (measured GB10 read bandwidth), for the measured L blocks and for the full-depth model (each block list's
 bytes scaled by its Linear count at full depth over the measured one: N / L for the lists the depth sets).
 
+A family with a block fusion (Z-Image, H3: the fused clone has block patches) calls its fused Linears from its
+blocks, where no module hook sees them. Its child profiles the stock forward by its Linears as above, then both
+arms once more by blocks: the whole forward, a marker before and after each block call (forward hooks on the block
+modules, which both arms run). Every kernel of those forwards is grouped by name: the NVFP4 Linear input path
+(absmax: the global-scale reductions, stock's abs and amax; packs; scales_alpha: the scale divide and GEMM alpha),
+the fused blocks' residual / norm-statistics kernels, norms, rope, elementwise, activations, copies, fills, other;
+the NVFP4 GEMM (and its emulation), the bf16 GEMMs and attention are left out. ``whole_forward`` in the JSON holds
+the block fusion's measure: both arms' non-GEMM non-attention bytes and launches per forward (input path + rest;
+the stock arm from its Linear windows, the fused arm from its block profile; a family without block fusion: its
+fused input path plus the stock rest, the same ComfyUI code), fused over stock, inside and outside the blocks, the
+fused blocks against their exact-fusion floor (:data:`BLOCK_FLOORS`: what a bit-identical fused block must read
+and write, README), and the GB10 projection per forward and per image of :data:`STEPS_PER_IMAGE` steps (full
+depth: each block list's bytes scaled as above). ``--layers 30`` measures Z-Image at full depth (give ncu the
+time: ``--ncu-timeout 480``; ``--ncu-blocks-only`` leaves out the stock forward's profile by Linears, whose input
+path / rest split the block profile then gives by kernel name). The README's table comes out of the JSON:
+``readme_table`` in it, or ``--table RUN.json [RUN2.json]``.
+
     python benchmarks/families.py [--families z_image,flux2_klein] [--layers 2] [--dtype auto] [--no-ncu] --out F
     python benchmarks/families.py --tiny --out F      # CPU, tiny widths, no ncu: a wiring check, no speed figures
 
@@ -112,6 +129,18 @@ REST_GROUPS = {
     "silu": "activation_functions", "copy": "copies_layout", "gemm": "bf16_gemm",
 }
 NOT_BYTES_OF_INTEREST = ("bf16_gemm", "attention")  # compute-bound: what a block fusion does not touch
+# A whole forward profiled by blocks (a block-fusion family): every kernel by name, the rest groups above plus the
+# NVFP4 Linears' input path (stock: abs, amax, scale divide, cast, zero-fill, pack, GEMM alpha; fused: the global
+# scale reductions and the packs) and the fused blocks' residual / norm-statistics kernels; the NVFP4 GEMM (and its
+# emulation) is left out with the bf16 GEMMs and attention.
+WHOLE_GROUPS = {**REST_GROUPS, "fused_absmax": "absmax", "abs": "absmax", "amax_reduce": "absmax",
+                "fused_pack": "packs", "comfy_pack": "packs", "scale_finalize": "scales_alpha",
+                "gemm_alpha": "scales_alpha", "fill": "fills", "fused_row_norm": "residual_norm_kernels",
+                "fused_gated_residual": "residual_norm_kernels", "emulation_dequant": "nvfp4_gemm",
+                "emulation_gemm": "nvfp4_gemm"}
+INPUT_PATH_GROUPS = ("absmax", "packs", "scales_alpha")
+NOT_WHOLE_BYTES_OF_INTEREST = NOT_BYTES_OF_INTEREST + ("nvfp4_gemm",)
+STEPS_PER_IMAGE = 8  # Z-Image Turbo's sampling steps (one forward each: no cfg)
 
 
 def log(msg: str) -> None:
@@ -244,6 +273,24 @@ def fused_linears(patcher) -> dict:
             if isinstance(patch, FusedNVFP4Linear)}
 
 
+def fused_blocks(patcher) -> dict:
+    """Block name (below ``diffusion_model.``) -> the fused block (a family's block fusion) patched into this clone."""
+    from h3_fused_nvfp4.blocks.fused_block import FusedBlock
+
+    prefix, suffix = "diffusion_model.", ".forward"
+    return {key[len(prefix):-len(suffix)]: patch for key, patch in patcher.object_patches.items()
+            if isinstance(patch, FusedBlock)}
+
+
+def block_fusion_counts(blocks: dict) -> dict:
+    """What the fused blocks did so far, summed over the blocks (blocks/fused_block.py ``counts``: fused forwards,
+    folded norms, residual kernels, hand-overs), and the calls on which Linears reading one tensor shared its pack."""
+    counts = sum((b.counts for b in blocks.values()), collections.Counter())
+    shared = [g for g in (getattr(b, "w1_w3", None) for b in blocks.values()) if g is not None]
+    return {"blocks": len(blocks), **dict(sorted(counts.items())),
+            **({"shared_packs": sum(g.shared_packs for g in shared)} if shared else {})}
+
+
 def stock_reasons(linears: dict) -> collections.Counter:
     """Calls the fused Linears left on ComfyUI's path so far, by reason (the pack's log names a reason once per
     process; each fused Linear counts every call)."""
@@ -347,6 +394,86 @@ class LinearCalls:
         return hook
 
 
+class BlockCalls:
+    """Forward pre- and post-hooks on the modules of a fused clone's blocks (``blocks``: name -> module; the same
+    modules run the stock arm): each call's block, rows, tokens, width and, where the family has one
+    (:data:`BLOCK_FLOORS`), the exact-fusion floor of the call; with ``marks`` and ``marking == "blocks"`` a marker
+    before and after each call (the whole forward is being profiled)."""
+
+    def __init__(self, blocks: dict, family: str, marks=None):
+        self.marks = marks
+        self.floor = BLOCK_FLOORS.get(family)
+        self.marking: str | None = None
+        self.calls: list[dict] = []
+        self._handles = []
+        for name, module in blocks.items():
+            self._handles.append(module.register_forward_pre_hook(self._pre(name, module)))
+            self._handles.append(module.register_forward_hook(self._post()))
+
+    def start(self, marking: str | None) -> None:
+        if marking is not None and self.marks is None:
+            raise ValueError("marking ncu windows needs marks")
+        self.marking, self.calls = marking, []
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _pre(self, name, module):
+        def hook(_, args):
+            x = args[0]
+            call = {"block": name, "rows": x.numel() // x.shape[-1], "tokens": int(x.shape[-2]),
+                    "width": int(x.shape[-1])}
+            if self.floor is not None:
+                call["floor_bytes"] = self.floor(module, x)
+            self.calls.append(call)
+            if self.marking == "blocks":
+                self.marks.range_push(f"block {name}")
+                self.marks.marker()
+        return hook
+
+    def _post(self):
+        def hook(module, args, output):
+            if self.marking == "blocks":
+                self.marks.marker()
+                self.marks.range_pop()
+        return hook
+
+
+def packed_bytes(rows: int, width: int) -> int:
+    """NVFP4 codes and swizzled block scales of an ``[rows, width]`` activation (rows padded to 128 and width / 16
+    to 4 in the scales)."""
+    return rows * width // 2 + -(-rows // 128) * 128 * (-(-(width // 16) // 4) * 4)
+
+
+def zimage_block_floor(block, x: torch.Tensor) -> int:
+    """What a bit-identical fused ``JointTransformerBlock`` must read and write outside its GEMMs and attention, for
+    input ``x`` ``[B, S, D]`` (README, *Z-Image Turbo's exact-fusion floor*): with A the bytes of a bf16 [rows, D]
+    tensor, F of a [rows, FFN] one, P(T) their codes and scales, R the RoPE table (fp32 [1, S, 1, head_dim / 2, 2, 2])
+    - qkv's input A + P(A) (its statistics and amax come from the previous block), q / k RMSNorm + RoPE 4A + R, out's
+    input 2A + P(A) (A with a static scale), two residuals with the next norm's statistics 3A each, w1 / w3's input A
+    + P(A) (one pack per distinct scale), w2's input 4F + P(F) (2F static)."""
+    rows, dim = x.numel() // x.shape[-1], x.shape[-1]
+    ffn = block.feed_forward.w1.out_features
+    a, f = rows * dim * 2, rows * ffn * 2
+    rope = x.shape[-2] * block.attention.head_dim // 2 * 4 * 4
+
+    def static(linear) -> bool:
+        return getattr(linear, "input_scale", None) is not None
+
+    w13_scales = {None if not static(m) else float(m.input_scale) for m in (block.feed_forward.w1,
+                                                                           block.feed_forward.w3)}
+    return (a + packed_bytes(rows, dim)  # qkv
+            + 4 * a + rope  # q / k RMSNorm + RoPE
+            + (1 if static(block.attention.out) else 2) * a + packed_bytes(rows, dim)  # out
+            + 2 * 3 * a  # the residuals
+            + a + len(w13_scales) * packed_bytes(rows, dim)  # w1 / w3
+            + (2 if static(block.feed_forward.w2) else 4) * f + packed_bytes(rows, ffn))  # w2
+
+
+BLOCK_FLOORS = {"z_image": zimage_block_floor}  # family -> its fused block's exact-fusion floor per call
+
+
 def floor_bytes(call: dict) -> int:
     """The least DRAM traffic of one call's activation pack: read the activation (twice with a dynamic scale: the
     amax, then the pack), write the codes and the block scales (swizzled: rows padded to 128, width / 16 padded
@@ -388,6 +515,7 @@ def measure_family(name: str, args, device: torch.device) -> dict:
 
     fused_patcher, patch_report = patch.apply_fused(stock_patcher, "block", allow_reference_backend=args.tiny)
     linears = fused_linears(fused_patcher)
+    blocks = fused_blocks(fused_patcher)
     recorder = LinearCalls(base.diffusion_model)
     recorder.start(linears, marking=None)
     fused = Arm("fused", fused_patcher, device)
@@ -395,11 +523,14 @@ def measure_family(name: str, args, device: torch.device) -> dict:
     try:
         for i, s in enumerate(SIGMAS):
             before, reasons_before = call_counts(linears), stock_reasons(linears)
+            blocks_before = collections.Counter(block_fusion_counts(blocks))
             got = fused.forward(inputs[s], "first" if i == 0 else "compared", s)
             after = call_counts(linears)
             per_forward.append({"fused": after[0] - before[0], "stock": after[1] - before[1],
                                 "stock_reasons": dict(stock_reasons(linears) - reasons_before),
-                                "hooked_calls": len(recorder.calls)})
+                                "hooked_calls": len(recorder.calls),
+                                "block_fusion": dict(collections.Counter(block_fusion_counts(blocks))
+                                                     - blocks_before)})
             recorder.calls = []
             compared[f"sigma_{s}"] = [rep.differing(a, b) for a, b in zip(got, reference[s])]
             if len(got) != len(reference[s]):
@@ -411,25 +542,38 @@ def measure_family(name: str, args, device: torch.device) -> dict:
     for _ in range(args.reps):
         fused.forward(inputs[SIGMAS[0]], "timed", SIGMAS[0])
 
-    measured = per_forward[0]
+    # A block fusion's first forward runs the block check (ComfyUI's blocks answer it, unpatched): its Linear calls
+    # are counted from the next forward on; every other family's first forward is measured
+    steady = per_forward[1:] if blocks else per_forward
+    measured = steady[0]
     calls = measured["fused"] + measured["stock"]
     section["patch"] = {"summary": patch_report.summary(), "applied": patch_report.applied,
                         "reason": patch_report.reason, "nvfp4_linears": len(linears) or len(recorder.modules),
                         "fused_linears": len(patch_report.layers), "left_on_comfyui_path": patch_report.left}
+    index = per_forward.index(measured)
     section["calls"] = {
-        "measured_forward": f"the first fused forward (sigma {SIGMAS[0]})",
+        "measured_forward": (f"the {'first' if index == 0 else 'second'} fused forward (sigma {SIGMAS[index]})"
+                             + ("; the first one runs the block check" if blocks else "")),
         "nvfp4_linear_calls": calls, "fused": measured["fused"], "stock": measured["stock"],
         "fused_share": round(measured["fused"] / calls, 4) if calls else None,
         "stock_reasons": measured["stock_reasons"],
         "hooked_module_calls": measured["hooked_calls"],
         "every_call_seen_by_the_module_hooks": measured["hooked_calls"] == calls,
         "same_in_every_compared_forward": all((f["fused"], f["stock"]) == (measured["fused"], measured["stock"])
-                                              for f in per_forward),
+                                              for f in steady),
     }
     if measured["hooked_calls"] != calls:
         section["calls"]["note"] = ("the module hooks saw another number of NVFP4 Linear calls than the fused Linears "
                                     "counted: a block fusion calls its fused Linears itself (and its block check "
-                                    "ComfyUI's), so the Linear windows under ncu do not cover this family's calls")
+                                    "ComfyUI's), so under ncu this family's fused forward is profiled by blocks")
+    if blocks:
+        section["block_fusion"] = {
+            "blocks": len(blocks),
+            "first_forward": per_forward[0]["block_fusion"],
+            "last_compared_forward": per_forward[-1]["block_fusion"],
+            "how": "counts of the fused blocks (blocks/fused_block.py): fused forwards, norms folded into the next "
+                   "pack, residual kernels, norm statistics handed to / taken from the next block, shared packs; "
+                   "the first forward runs the block check (ComfyUI's block answers that call)"}
     total = sum(sum(v) for v in compared.values())
     section["parity"] = {"differing_elements": compared, "total_differing_elements": total,
                          "first_fused_forward_included": True, "outputs": len(reference[SIGMAS[0]])}
@@ -471,26 +615,44 @@ def ncu_child(args, device: torch.device, marks=None) -> int:
     fused_patcher, _ = patch.apply_fused(stock_patcher, "block", allow_reference_backend=args.tiny)
     fused = Arm("fused", fused_patcher, device)
     fused.forward(inputs, "warm-up", SIGMAS[0])
-    recorder = LinearCalls(stock_patcher.model.diffusion_model, marks)
+    dm = stock_patcher.model.diffusion_model
+    recorder = LinearCalls(dm, marks)
+    blocks = {n: dm.get_submodule(n) for n in fused_blocks(fused_patcher)}
+    block_recorder = BlockCalls(blocks, name, marks)
 
     def open_forward_window():
         marks.profiler_start()
         marks.marker(1000)
 
+    # (arm, fused Linears, scope): the stock forward by its Linears; a block-fusion family's two arms by blocks as
+    # well (the fused blocks call their Linears themselves), another family's fused Linears one by one
+    profiles = [] if blocks and args.ncu_blocks_only else [(stock, {}, "forward")]
+    if blocks:
+        profiles += [(stock, {}, "blocks"), (fused, fused_linears(fused_patcher), "blocks")]
+    else:
+        profiles += [(fused, fused_linears(fused_patcher), "linears")]
     arms = []
-    for arm, linears, marking in ((stock, {}, "forward"), (fused, fused_linears(fused_patcher), "linears")):
-        recorder.start(linears, marking)
-        arm.forward(inputs, "profiled", SIGMAS[0], before_call=open_forward_window if marking == "forward" else None,
+    for arm, linears, scope in profiles:
+        recorder.start(linears, scope if scope != "blocks" else None)
+        block_recorder.start(scope if scope == "blocks" else None)
+        arm.forward(inputs, "profiled", SIGMAS[0], before_call=open_forward_window if scope != "linears" else None,
                     after_call=marks.profiler_stop)
-        arms.append({"arm": arm.name, "scope": marking, "calls": recorder.calls})
+        arms.append({"arm": arm.name, "scope": scope,
+                     "calls": block_recorder.calls if scope == "blocks" else recorder.calls})
     recorder.remove()
+    block_recorder.remove()
     pathlib.Path(args.ncu_child).write_text(json.dumps({"family": name, "arms": arms}))
     return 0
 
 
+def arm_windows(arm: dict) -> int:
+    """Marker windows one profiled arm opens: a whole forward 1 + 2 per call (Linear or block), the fused Linears
+    profiled alone 1 per call."""
+    return len(arm["calls"]) if arm["scope"] == "linears" else 1 + 2 * len(arm["calls"])
+
+
 def expected_windows(arms: list[dict]) -> int:
-    """Marker windows the child's arms open: the whole stock forward 1 + 2 per call, the fused Linears 1 per call."""
-    return sum(1 + 2 * len(a["calls"]) if a["scope"] == "forward" else len(a["calls"]) for a in arms)
+    return sum(arm_windows(a) for a in arms)
 
 
 def linear_window_roles(kernels: list[dict], activation_bytes: int) -> list[str]:
@@ -614,12 +776,154 @@ def attribute_arm(arm: dict, windows: list[list[dict]], depth_scale: dict[str, f
     return out
 
 
+def whole_group(kernel_name: str, category: str) -> str:
+    """A kernel of a forward profiled by blocks, by what it does (:data:`WHOLE_GROUPS`)."""
+    if category not in WHOLE_GROUPS and any(a in kernel_name.lower() for a in ACTIVATION_NAMES):
+        return "activation_functions"
+    return WHOLE_GROUPS.get(category, "other")
+
+
+def _by_group(kernels: list[dict]) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = collections.defaultdict(list)
+    for k, cat in zip(kernels, rep.label_kernels([k["kernel"] for k in kernels])):
+        groups[whole_group(k["kernel"], cat)].append(k)
+    return groups
+
+
+def _of_interest(groups: dict[str, list[dict]]) -> list[dict]:
+    return [k for g, ks in groups.items() if g not in NOT_WHOLE_BYTES_OF_INTEREST for k in ks]
+
+
+def attribute_blocks(arm: dict, windows: list[list[dict]], depth_scale: dict[str, float]) -> dict:
+    """A whole forward profiled by blocks (windows: before the first block, then each block call and what follows
+    it): its non-GEMM non-attention kernels by group, the NVFP4 Linears' input path and the rest, inside the blocks
+    and outside them, per block list, against the blocks' exact-fusion floor where the family has one, and scaled to
+    full depth (each block list's bytes x its full-depth count / the measured one; outside the blocks as measured)."""
+    calls = arm["calls"]
+    inside, outside = windows[1::2], windows[0::2]
+    everything = [k for window in windows for k in window]
+    groups = _by_group(everything)
+    counted = _of_interest(groups)
+    input_path = [k for g in INPUT_PATH_GROUPS for k in groups.get(g, [])]
+    per_list: dict[str, dict] = {}
+    full_depth = sum(k["bytes"] for k in _of_interest(_by_group([k for w in outside for k in w])))
+    for call, kernels in zip(calls, inside):
+        chain = fam.block_collection(call["block"])
+        nbytes = sum(k["bytes"] for k in _of_interest(_by_group(kernels)))
+        entry = per_list.setdefault(chain, {"calls": 0, "rows": call["rows"], "bytes": 0.0, "launches": 0,
+                                            "floor_bytes": 0})
+        entry["calls"] += 1
+        entry["bytes"] += nbytes
+        entry["launches"] += len(_of_interest(_by_group(kernels)))
+        entry["floor_bytes"] += call.get("floor_bytes", 0)
+        full_depth += nbytes * depth_scale.get(chain, 1.0)
+    inside_kernels = [k for w in inside for k in w]
+    inside_bytes = sum(k["bytes"] for k in _of_interest(_by_group(inside_kernels)))
+    floor = sum(c.get("floor_bytes", 0) for c in calls) if all("floor_bytes" in c for c in calls) and calls else None
+    total = sum(k["bytes"] for k in counted)
+    return {
+        "block_calls": len(calls),
+        "non_gemm_non_attention": {
+            **_totals(counted),
+            "input_path": _totals(input_path),
+            "rest": _totals([k for g, ks in groups.items() if g not in INPUT_PATH_GROUPS
+                             and g not in NOT_WHOLE_BYTES_OF_INTEREST for k in ks]),
+            "by_category": {g: _totals(ks) for g, ks in sorted(groups.items(), key=lambda kv: -sum(
+                k["bytes"] for k in kv[1])) if g not in NOT_WHOLE_BYTES_OF_INTEREST},
+            "inside_blocks": _totals(_of_interest(_by_group(inside_kernels))),
+            "outside_blocks": _totals(_of_interest(_by_group([k for w in outside for k in w]))),
+            "per_block_list": {c: {"calls": e["calls"], "rows_per_call": e["rows"], "launches": e["launches"],
+                                   "dram_gb": round(e["bytes"] / 1e9, 4),
+                                   **({"floor_gb": round(e["floor_bytes"] / 1e9, 4)} if floor is not None else {})}
+                               for c, e in per_list.items()},
+            "gb10_ms_at_232_gbs": _gb10_ms(total),
+            "full_depth_gb": round(full_depth / 1e9, 4),
+            "full_depth_gb10_ms_at_232_gbs": _gb10_ms(full_depth),
+        },
+        "blocks_floor": None if floor is None else {
+            "floor_gb": round(floor / 1e9, 4), "inside_blocks_gb": round(inside_bytes / 1e9, 4),
+            "inside_blocks_over_floor": round(inside_bytes / floor, 4) if floor else None},
+        "excluded": {g: _totals(groups.get(g, [])) for g in NOT_WHOLE_BYTES_OF_INTEREST},
+        "largest_other_kernels": [{"kernel": k["kernel"], "gb": round(k["bytes"] / 1e9, 4)} for k in sorted(
+            groups.get("other", []), key=lambda k: -k["bytes"])[:8]],
+    }
+
+
+def _gb(nbytes: float) -> float:
+    return round(nbytes / 1e9, 4)
+
+
+def whole_forward(out: dict) -> dict:
+    """Both arms' non-GEMM non-attention DRAM bytes and launches per forward, the NVFP4 Linears' input path and the
+    rest (issue 31's measure): the stock forward by its Linears; the fused one by blocks where the family has a
+    block fusion (its blocks call their Linears themselves), else its Linears' input path plus the stock rest (the
+    same ComfyUI code runs between them). With the blocks' exact-fusion floor and the GB10 projection per forward
+    and per image of :data:`STEPS_PER_IMAGE` steps."""
+    if "stock" in out:
+        stock = out["stock"]
+        s_input, s_rest = stock["linear_input_path"], stock["rest_of_forward"]["non_gemm_non_attention"]
+        s_how = "the stock forward by its Linears: their windows' input path, the kernels between them by name"
+    else:
+        stock = out["stock_blocks"]["non_gemm_non_attention"]
+        s_input, s_rest = stock["input_path"], stock["rest"]
+        s_how = "the whole stock forward by kernel name (profiled by blocks)"
+    s_total = {"launches": s_input["launches"] + s_rest["launches"], "dram_gb": _gb(
+        (s_input["dram_gb"] + s_rest["dram_gb"]) * 1e9)}
+    if "fused_blocks" in out:
+        f = out["fused_blocks"]["non_gemm_non_attention"]
+        fused = {"input_path": f["input_path"], "rest": f["rest"],
+                 "total": {"launches": f["launches"], "dram_gb": f["dram_gb"]}, "by_category": f["by_category"],
+                 "how": "the whole fused forward by kernel name (profiled by blocks)"}
+    else:
+        f_input = out["fused"]["linear_input_path"]
+        fused = {"input_path": {k: f_input[k] for k in ("launches", "dram_gb")}, "rest": s_rest,
+                 "total": {"launches": f_input["launches"] + s_rest["launches"],
+                           "dram_gb": _gb((f_input["dram_gb"] + s_rest["dram_gb"]) * 1e9)},
+                 "how": "the fused Linears' input path plus the stock forward's rest (the same ComfyUI code)"}
+    ratio = round(fused["total"]["dram_gb"] / s_total["dram_gb"], 4) if s_total["dram_gb"] else None
+    section = {
+        "what": "non-GEMM non-attention DRAM bytes and launches per forward (NVFP4 Linear input path + the rest)",
+        "stock": {"input_path": {k: s_input[k] for k in ("launches", "dram_gb")},
+                  "rest": {k: s_rest[k] for k in ("launches", "dram_gb")}, "total": s_total, "how": s_how},
+        "fused": fused,
+        "fused_over_stock": ratio,
+        "at_most_0.45x_stock": None if ratio is None else ratio <= 0.45,
+    }
+    projection = {"stock": s_total["dram_gb"], "fused": fused["total"]["dram_gb"]}
+    full = {}
+    if "stock_blocks" in out and "fused_blocks" in out:
+        blocks = {arm: out[f"{arm}_blocks"] for arm in ("stock", "fused")}
+        full = {arm: b["non_gemm_non_attention"]["full_depth_gb"] for arm, b in blocks.items()}
+        section["blocks"] = {arm: b["non_gemm_non_attention"]["inside_blocks"] for arm, b in blocks.items()}
+        section["outside_blocks"] = {arm: b["non_gemm_non_attention"]["outside_blocks"] for arm, b in blocks.items()}
+        section["stock_by_blocks_total"] = {k: blocks["stock"]["non_gemm_non_attention"][k]
+                                            for k in ("launches", "dram_gb")}
+        floor = blocks["fused"]["blocks_floor"]
+        if floor is not None:
+            over = floor["inside_blocks_over_floor"]
+            section["blocks_exact_fusion_floor"] = {
+                **floor, "within_10pct": None if over is None else abs(over - 1) <= FLOOR_TOLERANCE,
+                "note": "the floor counts every byte once; measured bytes can lie below it where a tensor is still "
+                        "in the GPU's L2 (the H200 has 60 MB)"}
+    section["gb10_at_232_gbs"] = {
+        "per_forward_ms": {arm: _gb10_ms(gb * 1e9) for arm, gb in projection.items()},
+        f"per_{STEPS_PER_IMAGE}_step_image_s": {arm: round(_gb10_ms(gb * 1e9) * STEPS_PER_IMAGE / 1e3, 3)
+                                                 for arm, gb in projection.items()},
+    }
+    if full:
+        section["gb10_at_232_gbs"]["full_depth_per_forward_ms"] = {arm: _gb10_ms(gb * 1e9) for arm, gb in full.items()}
+        section["gb10_at_232_gbs"][f"full_depth_per_{STEPS_PER_IMAGE}_step_image_s"] = {
+            arm: round(_gb10_ms(gb * 1e9) * STEPS_PER_IMAGE / 1e3, 3) for arm, gb in full.items()}
+        section["full_depth_gb"] = full
+    return section
+
+
 def dram_section(name: str, args) -> dict:
     """Run one family's ncu child and attribute its kernels (see the module docstring)."""
     with tempfile.TemporaryDirectory() as tmp:
         sidecar = pathlib.Path(tmp) / "calls.json"
         child = ["--ncu-child", str(sidecar), "--families", name, "--layers", str(args.layers), "--dtype", args.dtype,
-                 "--seed", str(args.seed)]
+                 "--seed", str(args.seed)] + (["--ncu-blocks-only"] if args.ncu_blocks_only else [])
         if args.text_tokens:
             child += ["--text-tokens", str(args.text_tokens)]
         cmd = rep.ncu_command(pathlib.Path(__file__).resolve(), child)
@@ -645,22 +949,37 @@ def dram_section(name: str, args) -> dict:
                                        "depth / the measured count (N / L for the lists the depth sets)"}}
     start = 0
     for arm in arms:
-        n = 1 + 2 * len(arm["calls"]) if arm["scope"] == "forward" else len(arm["calls"])
-        out[arm["arm"]] = attribute_arm(arm, windows[start:start + n], depth_scale)
+        n = arm_windows(arm)
+        if arm["scope"] == "blocks":
+            out[f"{arm['arm']}_blocks"] = attribute_blocks(arm, windows[start:start + n], depth_scale)
+        else:
+            out[arm["arm"]] = attribute_arm(arm, windows[start:start + n], depth_scale)
         start += n
-    if "stock" in out and "fused" in out:
-        s, f = out["stock"]["linear_input_path"], out["fused"]["linear_input_path"]
-        fused_calls = f["by_path"].get("fused")
-        ratio = fused_calls["bytes_over_floor"] if fused_calls else None
+    if ("stock" in out or "stock_blocks" in out) and ("fused" in out or "fused_blocks" in out):
+        out["whole_forward"] = whole_forward(out)
+    if "stock" in out and ("fused" in out or "fused_blocks" in out):
+        s = out["stock"]["linear_input_path"]
+        ratio = None
+        if "fused" in out:
+            f = out["fused"]["linear_input_path"]
+            fused_calls = f["by_path"].get("fused")
+            ratio = fused_calls["bytes_over_floor"] if fused_calls else None
+            fused_ms = {"measured": f["gb10_ms_at_232_gbs"], "full": f["full_depth_gb10_ms_at_232_gbs"]}
+        else:  # a block fusion: its Linears' input path (global-scale reductions, packs) by kernel name
+            f = out["fused_blocks"]["non_gemm_non_attention"]["input_path"]
+            fused_ms = {"measured": _gb10_ms(f["dram_gb"] * 1e9), "full": None}
         out["summary"] = {
             "linear_input_gb": {"stock": s["dram_gb"], "fused": f["dram_gb"]},
             "linear_input_launches": {"stock": s["launches"], "fused": f["launches"]},
             "fused_calls_bytes_over_floor": ratio,
             "fused_within_10pct_of_floor": None if ratio is None else abs(ratio - 1) <= FLOOR_TOLERANCE,
-            "gb10_ms_at_232_gbs_measured_layers": {"stock": s["gb10_ms_at_232_gbs"], "fused": f["gb10_ms_at_232_gbs"]},
-            "gb10_ms_at_232_gbs_full_depth": {"stock": s["full_depth_gb10_ms_at_232_gbs"],
-                                              "fused": f["full_depth_gb10_ms_at_232_gbs"]},
+            "gb10_ms_at_232_gbs_measured_layers": {"stock": s["gb10_ms_at_232_gbs"], "fused": fused_ms["measured"]},
+            "gb10_ms_at_232_gbs_full_depth": {"stock": s["full_depth_gb10_ms_at_232_gbs"], "fused": fused_ms["full"]},
         }
+        if "fused" not in out:
+            out["summary"]["note"] = ("the fused blocks fold norms, modulation and SwiGLU into their packs, which read "
+                                      "other tensors than ComfyUI's Linear inputs: the per-call floor of the Linear "
+                                      "input path does not apply; whole_forward compares the blocks with theirs")
         if ratio is not None and abs(ratio - 1) > FLOOR_TOLERANCE:
             out["summary"]["flag"] = (f"fused input-path bytes are {ratio:.3f}x the floor: outside "
                                       f"{FLOOR_TOLERANCE:.0%}")
@@ -682,16 +1001,18 @@ def summary_row(name: str, section: dict) -> dict:
             "peak_gib": [section["stock"].get("peak_extra_gib_timed_max"),
                          section["fused"].get("peak_extra_gib_timed_max")],
             "input_gb": dram.get("linear_input_gb"), "over_floor": dram.get("fused_calls_bytes_over_floor"),
-            "gb10_ms_full_depth": dram.get("gb10_ms_at_232_gbs_full_depth")}
+            "gb10_ms_full_depth": dram.get("gb10_ms_at_232_gbs_full_depth"),
+            "non_gemm_gb": {arm: w["total"]["dram_gb"] for arm, w in whole.items() if arm in ("stock", "fused")}
+            if (whole := section.get("dram", {}).get("whole_forward")) else None}
 
 
 def print_table(rows: list[dict]) -> None:
     header = ("family", "dtype", "fused Linears", "calls fused", "differing", "forward s stock->fused",
-              "peak GiB", "input GB stock->fused", "fused/floor", "GB10 ms full depth")
+              "peak GiB", "input GB stock->fused", "fused/floor", "GB10 ms full depth", "non-GEMM GB stock->fused")
     lines = [header]
     for r in rows:
         if "error" in r:
-            lines.append((r["family"], "ERROR", r["error"][:80], "", "", "", "", "", "", ""))
+            lines.append((r["family"], "ERROR", r["error"][:80], "", "", "", "", "", "", "", ""))
             continue
 
         def pair(v, fmt="{}"):
@@ -704,10 +1025,45 @@ def print_table(rows: list[dict]) -> None:
                       "-" if r["calls_fused_share"] is None else f"{r['calls_fused_share']:.0%}", str(r["differing"]),
                       pair([r["stock_s"], r["fused_s"]], "{:.3f}"), pair(r["peak_gib"], "{:.2f}"),
                       pair(r["input_gb"], "{:.3f}"), "-" if r["over_floor"] is None else f"{r['over_floor']:.3f}",
-                      pair(r["gb10_ms_full_depth"], "{:.1f}")))
+                      pair(r["gb10_ms_full_depth"], "{:.1f}"), pair(r.get("non_gemm_gb"), "{:.3f}")))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
     for line in lines:
         print("  ".join(str(v).ljust(w) for v, w in zip(line, widths)))
+
+
+def readme_table(results: list[dict]) -> list[str]:
+    """README's table of the whole-forward measurement (Markdown lines), one row per measured family of each result
+    (the JSON of a run, e.g. one at 2 layers and one with --layers 30): non-GEMM non-attention DRAM bytes per forward
+    as NVFP4 Linear input path + rest, launches, fused over stock, the fused blocks over their exact-fusion floor,
+    the GB10 projection per forward and per image, the output bits and the NVFP4 calls fused."""
+    lines = ["| Model | measured | output | NVFP4 calls fused | non-GEMM non-attention GB per forward: input path + "
+             "rest | launches | fused / stock | blocks / floor | GB10 ms per forward | "
+             f"GB10 s per {STEPS_PER_IMAGE}-step image |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for result in results:
+        for name, section in result.get("families", {}).items():
+            whole = section.get("dram", {}).get("whole_forward")
+            if whole is None or "error" in section:
+                continue
+            st, fu = whole["stock"], whole["fused"]
+
+            def split(arm):
+                return (f"{arm['input_path']['dram_gb']:.2f} + {arm['rest']['dram_gb']:.2f} = "
+                        f"{arm['total']['dram_gb']:.2f}")
+
+            floor = (whole.get("blocks_exact_fusion_floor") or {}).get("inside_blocks_over_floor")
+            gb10 = whole["gb10_at_232_gbs"]
+            image = gb10[f"per_{STEPS_PER_IMAGE}_step_image_s"]
+            calls = section["calls"]
+            lines.append(
+                f"| {section['title']} ({section['load']['model_class']}) | {section['depth']}, "
+                f"{'x'.join(map(str, section['resolution_w_h_frames'][:2]))}, {section['dtype']} | "
+                f"{section['parity']['total_differing_elements']} differing | {calls['fused']} of "
+                f"{calls['nvfp4_linear_calls']} | {split(st)} -> **{split(fu)}** | {st['total']['launches']} -> "
+                f"**{fu['total']['launches']}** | {whole['fused_over_stock']:.2f} | "
+                f"{'-' if floor is None else format(floor, '.2f')} | "
+                f"{gb10['per_forward_ms']['stock']:.0f} -> **{gb10['per_forward_ms']['fused']:.0f}** | "
+                f"{image['stock']:.2f} -> **{image['fused']:.2f}** |")
+    return lines
 
 
 def write_shared(result: dict, out_path: pathlib.Path, comfy_root: pathlib.Path) -> None:
@@ -734,6 +1090,10 @@ def parse_args(argv):
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny widths, no ncu: a wiring check")
     parser.add_argument("--out", default=None, help="JSON path (default: $OUT/families.json, else "
                                                     "benchmarks/out/families.json)")
+    parser.add_argument("--ncu-blocks-only", action="store_true",
+                        help="a block-fusion family: profile both arms by blocks only (no stock profile by Linears)")
+    parser.add_argument("--table", nargs="+", default=None, metavar="JSON",
+                        help="print README's whole-forward table from the JSON of earlier runs and exit")
     parser.add_argument("--ncu-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not args.families:
@@ -749,6 +1109,9 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.table:
+        print("\n".join(readme_table([json.loads(pathlib.Path(p).read_text()) for p in args.table])))
+        return 0
     info = comfy_env.import_comfyui()
     logging.getLogger("comfy_kitchen.tensor.nvfp4").setLevel(logging.ERROR)  # the emulated-GEMM warning
     if args.tiny:
@@ -805,6 +1168,7 @@ def main(argv=None) -> int:
         ok = ok and "error" not in section and section["parity"]["total_differing_elements"] == 0
         result["families"][name] = section
         result["summary"] = [summary_row(n, s) for n, s in result["families"].items()]
+        result["readme_table"] = readme_table([result])
         result["ok"] = ok
         result["complete"] = name == args.families[-1]
         # after each family: a run stopped by its time limit keeps what it measured
@@ -813,6 +1177,8 @@ def main(argv=None) -> int:
     if args.tiny:
         print("tiny widths on the CPU: a wiring check (Python twin of the kernels, no Nsight Compute, "
               "no speed figures)")
+    if len(result["readme_table"]) > 2:
+        print("\n".join(result["readme_table"]))
     print_table(result["summary"])
     return 0 if ok else 1
 

@@ -30,8 +30,10 @@
 #   families       benchmarks/families.py: each NVFP4 model family (Z-Image, FLUX.2 klein and dev, Wan 2.2 14B,
 #                  LTX-2, Qwen-Image) at its official widths with 2 blocks, stock vs the Patch node's clone: parity,
 #                  calls fused, time, peak memory, and under ncu the Linear input path's DRAM bytes against its floor
+#                  and both arms' whole non-GEMM non-attention bytes per forward (block fusions profiled by blocks,
+#                  against their exact-fusion floor; GB10 projection per forward and per 8-step image)
 #                  -> families.json. FAMILIES=a,b picks families, FAMILIES_ARGS adds arguments (--no-ncu, --layers N,
-#                  --dtype bf16), FAMILIES_TIMEOUT (default 560 s) is its time limit
+#                  --dtype bf16, --ncu-timeout S, --ncu-blocks-only), FAMILIES_TIMEOUT (default 560 s) is its limit
 #   server         benchmarks/real_server.py: ComfyUI's real main.py with the pack installed, only ComfyUI's own flags,
 #                  random-weight NVFP4 H3, Wan 2.2 (fp16) and Z-Image files with and without a LoRA, graphs through
 #                  the HTTP API in each memory mode (dynamic VRAM with and without the Comfy compiler, classic):
@@ -72,7 +74,8 @@ for step in ${STEPS:-tests report}; do
              > "$OUT/tests.log" 2>&1; rc=$?; tail -3 "$OUT/tests.log" ;;
     emulated) H3_FUSED_NVFP4_EMULATE_BLACKWELL=1 H3_FUSED_NVFP4_CACHE=/tmp/h3_emulated_cache timeout "$STEP_TIMEOUT" \
              python3 -m pytest tests/test_gpu_pack_parity.py tests/test_gpu_block.py tests/test_gpu_selfcheck.py \
-             tests/test_gpu_rms_rope.py tests/test_gpu_zimage_kernels.py tests/test_gpu_wan_kernels.py -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} \
+             tests/test_gpu_rms_rope.py tests/test_gpu_zimage_kernels.py tests/test_gpu_zimage_model.py \
+             tests/test_gpu_wan_kernels.py -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} \
              > "$OUT/emulated.log" 2>&1; rc=$?
              tail -3 "$OUT/emulated.log" ;;
     report) timeout "$STEP_TIMEOUT" python3 report.py --dram --ncu-timeout 300 --out "$OUT/report.json" > "$OUT/report.log" 2>&1; rc=$?

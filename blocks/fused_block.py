@@ -248,7 +248,51 @@ class FusedBlock(PackPatch):
                                        global_scale=scalars[0:1] if dynamic else None)
         note_fallback(f"{self.name}.{name}", f"torch's RMSNorm runs: {reason}")
         n = norm(x)
+        if modulation is not None and modulation.shift is None:
+            # a scale-only modulation is folded together with its norm only: ComfyUI's op applies it here
+            h = modulate(n)
+            return h, LinearSource(lambda: h)
         return n, LinearSource(lambda: modulate(n), modulation=modulation)
+
+    def post_norm_residual(self, plan: ForwardPlan, x, other, other_norm, name: str, gate, index, next_norm,
+                           next_modulation, global_scale_out, stock_residual, x_from=None):
+        """In place ``x += gate[index[r]] * other_norm(other)`` (the post-norm, or sandwich-norm, residual; ``x +=
+        other_norm(other)`` without a gate), ``other_norm`` an RMSNorm module (``name``) reduced in the same pass; with
+        ``x_from`` out of place, ``x = x_from + ...`` (``x_from`` left as it is); with ``next_norm`` also that norm's
+        statistics of the new x (and the next projection's global scale into ``global_scale_out``).
+        ``stock_residual()`` is ComfyUI's op on ``x``, run (after ``x_from`` is copied to ``x``) where the kernel
+        cannot. Returns whether the statistics were produced."""
+        op = "post_norm_residual_gated" if gate is not None else "post_norm_residual"
+        reason = self.fold_refusal(other, other_norm, plan) or plan.refusal(op)
+        if reason is None:
+            weight = self.norm_weight(other_norm, other, name)
+            reason = plan.backend.post_norm_residual_support(x, other, weight, gate, next_norm=next_norm,
+                                                             next_modulation=next_modulation, x_from=x_from)
+        if reason is None:
+            try:
+                plan.backend.post_norm_residual_(x, other, weight, float(other_norm.eps), gate, index,
+                                                 next_norm=next_norm, next_modulation=next_modulation,
+                                                 global_scale_out=global_scale_out, x_from=x_from)
+                self.counts["residual"] += 1
+                return next_norm is not None
+            except (KernelBuildError, ValueError) as exc:
+                reason = f"kernel failed: {exc}"
+        note_fallback(f"{self.name} post-norm residual ({name})", reason)
+        if x_from is not None:
+            x.copy_(x_from)
+        stock_residual()
+        return self._statistics_after_stock(plan, x, next_norm, next_modulation, global_scale_out)
+
+    def _statistics_after_stock(self, plan: ForwardPlan, x, next_norm, next_modulation, global_scale_out) -> bool:
+        """After ComfyUI's residual op: the next norm's statistics in their own pass (they still save the norm's
+        write and read). Returns whether they were produced."""
+        if next_norm is None:
+            return False
+        try:
+            plan.backend.norm_statistics(x, next_norm, modulation=next_modulation, global_scale_out=global_scale_out)
+            return True
+        except (KernelBuildError, ValueError):
+            return False
 
     def residual(self, plan: ForwardPlan, x, gate, other, index, next_norm, next_modulation, global_scale_out,
                  stock_gate):
@@ -266,10 +310,4 @@ class FusedBlock(PackPatch):
                 reason = f"kernel failed: {exc}"
         note_fallback(f"{self.name} gated residual", reason)
         stock_gate()
-        if next_norm is None:
-            return False
-        try:  # the statistics still save the norm's write and read
-            plan.backend.norm_statistics(x, next_norm, modulation=next_modulation, global_scale_out=global_scale_out)
-            return True
-        except (KernelBuildError, ValueError):
-            return False
+        return self._statistics_after_stock(plan, x, next_norm, next_modulation, global_scale_out)

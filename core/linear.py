@@ -117,6 +117,22 @@ def quantized_input(layer, x: torch.Tensor) -> torch.Tensor:
     return x if pqs is None else x * comfy_adapter.cast_to_device(pqs, x.device, x.dtype)
 
 
+def source_op(*, swiglu: bool = False, up: torch.Tensor | None = None, modulation: Modulation | None = None,
+              norm: RmsNorm | None = None, prescale: torch.Tensor | None = None) -> str:
+    """The self-check op of the pack that reads its input through this source (a family's probe set declares the
+    block sources' ops: the SwiGLU of one row or of two tensors, the normalized pack with a scale-and-shift, a
+    scale-only or no modulation, the modulation alone)."""
+    if swiglu:
+        return "pack_swiglu_pair" if up is not None else "pack_swiglu"
+    if norm is not None:
+        if modulation is None:
+            return "pack_norm_unmodulated"
+        return "pack_norm" if modulation.shift is not None else "pack_norm_scale"
+    if modulation is not None:
+        return "pack_modulate"
+    return "pack_prescale" if prescale is not None else "pack"
+
+
 # ---- the per-layer replacement forward ---------------------------------------------------------------------
 
 class LinearSource:
@@ -225,16 +241,18 @@ class FusedNVFP4Linear(PackPatch):
                 buffer = self._prescale[key] = torch.empty(pqs.shape, dtype=dtype, device=device)
         return buffer.copy_(pqs, non_blocking=pqs.device != device)
 
-    def __call__(self, x: torch.Tensor, *, source: LinearSource | None = None, swiglu: bool = False, stock=None,
-                 plan: ForwardPlan | None = None):
+    def __call__(self, x: torch.Tensor, *, source: LinearSource | None = None, swiglu: bool = False,
+                 up: torch.Tensor | None = None, stock=None, plan: ForwardPlan | None = None):
         """Forward of the layer. ``source`` or ``swiglu`` make the pack read the layer input through that op (``x`` is
-        then the op's *input*); ``stock`` / ``source.stock()`` rebuild the layer input with ComfyUI's own code when
-        the fused path refuses. ``plan``: the forward's decisions (core/plan.py), resolved by the caller once per
-        forward; looked up here when not given."""
+        then the op's *input*: with ``swiglu`` the gate half and up half of one row, or the gates and, in ``up``, the
+        up values as a second tensor of the same shape); ``stock`` / ``source.stock()`` rebuild the layer input with
+        ComfyUI's own code when the fused path refuses. ``plan``: the forward's decisions (core/plan.py), resolved by
+        the caller once per forward; looked up here when not given."""
         if source is not None:
             stock = source.stock
         stock = self.record_input(x, stock)
-        reason, x2, prescale, plan = self.prepare(x, source, swiglu, plan)
+        up = up.reshape(-1, up.shape[-1]) if up is not None and up.dim() > 2 else up  # rows, as x's
+        reason, x2, prescale, plan = self.prepare(x, source, swiglu, plan, up=up)
         if reason is not None:
             return self._stock(reason, x, stock)
         out = None
@@ -243,7 +261,7 @@ class FusedNVFP4Linear(PackPatch):
             if reason is None:
                 try:
                     with allocation_context():
-                        packed = self.pack(plan.backend, x2, weight, source, swiglu, prescale)
+                        packed = self.pack(plan.backend, x2, weight, source, swiglu, prescale, up=up)
                         out = nvfp4_gemm(packed, weight, bias, self.layer.out_features, x.dtype)
                 except (KernelBuildError, ValueError) as exc:  # refused or failed: no output written
                     reason = f"kernel launch failed: {exc}"
@@ -264,12 +282,14 @@ class FusedNVFP4Linear(PackPatch):
             self._record(stock() if stock is not None else x)
         return stock
 
-    def prepare(self, x: torch.Tensor, source: LinearSource | None, swiglu: bool, plan: ForwardPlan | None):
+    def prepare(self, x: torch.Tensor, source: LinearSource | None, swiglu: bool, plan: ForwardPlan | None, *,
+                up: torch.Tensor | None = None):
         """``(reason, rows, prescale, plan)``: why the fused path cannot take this call (None: it can), the input as
-        ``[M, K]`` rows the kernels read, the layer's cast ``pre_quant_scale`` table, and the forward's plan."""
+        ``[M, K]`` rows the kernels read, the layer's cast ``pre_quant_scale`` table, and the forward's plan. ``up``:
+        a SwiGLU source's up values as ``[M, K]`` rows beside the gates ``x``."""
         modulation = source.modulation if source is not None else None
         norm = source.norm if source is not None else None
-        reason = self.refusal(x, x.shape[-1] // 2 if swiglu else x.shape[-1])
+        reason = self.refusal(x, x.shape[-1] // 2 if swiglu and up is None else x.shape[-1])
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() > 2 else x  # ComfyUI's reshape: a view where it can be one
         if reason is None and source is None and not swiglu and not rows_readable_in_place(x2):
             # Rows the kernels cannot read in place (a column stride, a misaligned view): ComfyUI's CUDA packer
@@ -286,11 +306,10 @@ class FusedNVFP4Linear(PackPatch):
                 prescale = self.prescale(x.device, x.dtype)
         if reason is None:
             plan = plan if plan is not None else plan_for(x.device)
-            op = ("pack_swiglu" if swiglu else "pack_norm" if norm is not None else
-                  "pack_modulate" if modulation is not None else "pack_prescale" if prescale is not None else "pack")
+            op = source_op(swiglu=swiglu, up=up, modulation=modulation, norm=norm, prescale=prescale)
             reason = (plan.refusal(checked_op(op, x.dtype), checked_op("linear", x.dtype))
                       or plan.backend.pack_support(x2, swiglu=swiglu, modulation=modulation, norm=norm,
-                                                   prescale=prescale))
+                                                   prescale=prescale, up=up))
         return reason, x2, prescale, plan
 
     @staticmethod
@@ -304,7 +323,7 @@ class FusedNVFP4Linear(PackPatch):
         return None
 
     def pack(self, backend, x2: torch.Tensor, weight, source: LinearSource | None, swiglu: bool,
-             prescale: torch.Tensor | None) -> PackedActivation:
+             prescale: torch.Tensor | None, *, up: torch.Tensor | None = None) -> PackedActivation:
         """The fused pack of this layer's input, with the GEMM alpha for ``weight`` (the scale_2 of the weight ComfyUI's
         cast hands out: under dynamic VRAM a LoRA requantizes it with one of its own)."""
         static = self.static_scale(x2.device)
@@ -312,7 +331,7 @@ class FusedNVFP4Linear(PackPatch):
         return backend.pack_nvfp4(
             x2, static_scale=static, global_scale=reduced, weight_scale_2=weight._params.scale.reshape(1),
             swiglu=swiglu, modulation=source.modulation if source is not None else None,
-            norm=source.norm if source is not None else None, prescale=prescale,
+            norm=source.norm if source is not None else None, prescale=prescale, up=up,
         )
 
     def shaped(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -345,6 +364,7 @@ class SharedInput:
         self._scales = tuple(getattr(f.layer, "input_scale", None) for f in self.linears)
         self.sharing_refusal = self._sharing_refusal()
         self._alphas: dict[tuple, torch.Tensor] = {}
+        self.shared_packs = 0  # calls on which two or more of the Linears read one pack (tests read it)
 
     def _sharing_refusal(self) -> str | None:
         if len(self.linears) < 2:
@@ -408,6 +428,7 @@ class SharedInput:
                                                          out=self._alpha(i, x.device))
                             layer = self.linears[i]
                             outs[i] = nvfp4_gemm(packed, weight, bias, layer.layer.out_features, x.dtype)
+                    self.shared_packs += len(ready) > 1
                 except (KernelBuildError, ValueError) as exc:  # refused or failed: the layers run ComfyUI's path
                     outs, failure = {}, f"kernel launch failed: {exc}"
         for i, reason in zip(taking, reasons):

@@ -34,11 +34,23 @@ SCOPES = ("block", "linears")  # block: a family's block fusions too; linears: e
 class FamilyPatches:
     """What a model family's fusion adds: its object patches (key below ``diffusion_model.`` -> callable; its
     fused Linears among them), a description for the summary, and ``prepare(verdict)``: called once the self-check
-    verdict is known, returns why the family's patches must not be used (None: they may)."""
+    verdict is known, returns why the family's patches must not be used (None: they may). ``block_dtypes``: the
+    compute dtypes its block patches take (None: any); a model computing in another dtype gets only the fused
+    Linears, and the summary says why."""
 
     patches: dict[str, object]
     description: str
     prepare: Callable[[Verdict], "str | None"] = lambda verdict: None
+    block_dtypes: tuple[torch.dtype, ...] | None = None
+
+    def dtype_refusal(self, compute_dtype: torch.dtype | None) -> str | None:
+        """Why the block patches stay off for a model computing in ``compute_dtype`` (None: they may run)."""
+        if self.block_dtypes is None or compute_dtype is None or compute_dtype in self.block_dtypes:
+            return None
+        takes = " or ".join(PACK_DTYPE_NAMES.get(d, str(d)) for d in self.block_dtypes)
+        computes = PACK_DTYPE_NAMES.get(compute_dtype, str(compute_dtype).removeprefix("torch."))
+        return (f"block fusion off: its kernels take {takes} and this model computes in {computes}, so ComfyUI's "
+                "blocks run (their NVFP4 Linears keep the fused pack)")
 
 
 class ModelFamily(Protocol):
@@ -58,6 +70,7 @@ class PatchReport:
     reason: str = ""
     family: str = ""
     blocks: str = ""  # the family fusion's description ("50 DiT + 2 refiner blocks"), empty without one
+    block_note: str = ""  # why the family's block patches stay off on this model (its compute dtype), if they do
     layers: list[str] = field(default_factory=list)
     static_layers: int = 0
     left: dict[str, str] = field(default_factory=dict)  # NVFP4 Linear -> why it stays on ComfyUI's path
@@ -69,7 +82,9 @@ class PatchReport:
     def summary(self) -> str:
         if not self.applied:
             return f"H3 fused NVFP4: model left as ComfyUI runs it ({self.mode}): {self.reason}"
-        what = f"patched {self.blocks}, " if self.blocks else f"{self.family} model: "
+        what = f"{self.family} model: "
+        if self.blocks:
+            what = f"patched {self.blocks}" + (f" ({self.block_note}), " if self.block_note else ", ")
         text = (f"H3 fused NVFP4: {what}{len(self.layers)} NVFP4 layers ({len(self.layers) - self.static_layers} "
                 f"dynamic-scale, {self.static_layers} static input_scale)")
         if self.left:
@@ -226,8 +241,13 @@ def apply_fused(model_patcher, scope: str, families: tuple[ModelFamily, ...], *,
         if refusal is not None:
             report.applied, report.reason = False, refusal
     if report.applied:
-        report.gemm = gemm_description(device, comfy_adapter.model_compute_dtype(clone))
+        compute_dtype = comfy_adapter.model_compute_dtype(clone)
+        report.gemm = gemm_description(device, compute_dtype)
+        blocks = found is not None and any(not isinstance(v, FusedNVFP4Linear) for v in found.patches.values())
+        report.block_note = (found.dtype_refusal(compute_dtype) if blocks else None) or ""
         for key, value in patches.items():
+            if report.block_note and not isinstance(value, FusedNVFP4Linear):
+                continue  # the family's block patches stay off: its fused Linears (and the others) are patched
             clone.add_object_patch(f"diffusion_model.{key}", value)
     set_state(clone, mode="fused" if report.applied else "comfy", scope=scope, summary=report.summary())
     (log.info if report.applied else log.warning)(report.summary())

@@ -44,12 +44,14 @@ class FusedOps(Protocol):
 
     def post_norm_residual_support(self, x: torch.Tensor, other: torch.Tensor, other_weight: torch.Tensor,
                                    gate: torch.Tensor | None = None, *, next_norm: RmsNorm | None = None,
-                                   next_modulation: Modulation | None = None) -> str | None: ...
+                                   next_modulation: Modulation | None = None,
+                                   x_from: torch.Tensor | None = None) -> str | None: ...
 
     def post_norm_residual_(self, x: torch.Tensor, other: torch.Tensor, other_weight: torch.Tensor, other_eps: float,
                             gate: torch.Tensor | None, mod_index: torch.Tensor | None, *,
                             next_norm: RmsNorm | None = None, next_modulation: Modulation | None = None,
-                            global_scale_out: torch.Tensor | None = None) -> torch.Tensor: ...
+                            global_scale_out: torch.Tensor | None = None,
+                            x_from: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def rms_rope_support(self, q, k, freqs, q_weight, k_weight, rot_dim) -> str | None: ...
 

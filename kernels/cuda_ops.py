@@ -12,8 +12,8 @@ Public functions (all bit-identical to ComfyUI's stock ops followed by comfy-kit
 * :func:`gated_residual_` - ``x[r] += other[r] * gate[mod_index[r]]`` in place, optionally followed in the same pass
   by :func:`norm_statistics` of the new x.
 * :func:`post_norm_residual_` - ``x[r] += gate[mod_index[r]] * rms_norm(other)[r]`` (or ``+= rms_norm(other)[r]``)
-  in place with ComfyUI's roundings (Z-Image's sandwich norm), the norm of ``other`` computed in the same pass,
-  optionally followed by :func:`norm_statistics` of the new x.
+  in place with ComfyUI's roundings (Z-Image's sandwich norm), or out of place from ``x_from``, the norm of ``other``
+  computed in the same pass, optionally followed by :func:`norm_statistics` of the new x.
 * :func:`rms_rope_split_half_` - comfy-kitchen's per-head RMSNorm + split-half RoPE for H3's q/k views, in place.
 * The row kernels of a LayerNorm block (Wan), bf16 and fp16: :func:`layer_norm_statistics` (torch's LayerNorm
   mean and rstd, optionally with the next projection's global scale), :func:`residual_layer_norm_` (ComfyUI's gated
@@ -182,7 +182,7 @@ class _RowNormParams(ctypes.Structure):
         ("norm_weight", ctypes.c_void_p), ("eps", ctypes.c_float), ("rstd", ctypes.c_void_p),
         ("mod_scale", ctypes.c_void_p), ("mod_shift", ctypes.c_void_p), ("mod_row_stride", ctypes.c_int64),
         ("out", _GlobalScaleOut), ("bound_scale", ctypes.c_void_p), ("bound_shift", ctypes.c_void_p),
-        ("other_weight", ctypes.c_void_p), ("other_eps", ctypes.c_float),
+        ("other_weight", ctypes.c_void_p), ("other_eps", ctypes.c_float), ("x_from", ctypes.c_void_p),
     ]
 
 
@@ -599,12 +599,15 @@ def _pack_units(variant: str, rows128: int, groups: int) -> int:
 
 def _row_norm_launch(kernel: str, x, norm: RmsNorm, *, other=None, gate=None, mod_index=None,
                      modulation: Modulation | None = None, global_scale_out=None,
-                     other_norm: tuple[torch.Tensor, float] | None = None) -> None:
-    """``other_norm``: (weight, eps) of the norm of ``other`` (the post-norm residuals)."""
+                     other_norm: tuple[torch.Tensor, float] | None = None, x_from=None) -> None:
+    """``other_norm``: (weight, eps) of the norm of ``other`` (the post-norm residuals); ``x_from``: the stream the
+    out-of-place post-norm residuals read (x's row stride)."""
     mod = module_for(x.device, RESIDUAL_NORM)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     params = _RowNormParams(x.data_ptr(), x.stride(0), None, 0, None, 0, None, x.shape[0], x.shape[1],
                             norm.weight.data_ptr(), float(norm.eps), norm.rstd.data_ptr())
+    if x_from is not None:
+        params.x_from = x_from.data_ptr()
     if other is not None:
         params.other, params.other_row_stride = other.data_ptr(), other.stride(0)
     if gate is not None:
@@ -684,10 +687,25 @@ def gated_residual_(x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor, mo
     return x
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of two tensors intersect."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + (a.shape[0] - 1) * a.stride(0) * a.element_size() + a.shape[1] * a.element_size()
+    b1 = b0 + (b.shape[0] - 1) * b.stride(0) * b.element_size() + b.shape[1] * b.element_size()
+    return a0 < b1 and b0 < a1
+
+
 def post_norm_residual_support(x: torch.Tensor, other: torch.Tensor, other_weight: torch.Tensor,
                                gate: torch.Tensor | None = None, *, next_norm: RmsNorm | None = None,
-                               next_modulation: Modulation | None = None) -> str | None:
+                               next_modulation: Modulation | None = None,
+                               x_from: torch.Tensor | None = None) -> str | None:
     """``None`` if :func:`post_norm_residual_` takes these tensors, else the reason."""
+    if x_from is not None:
+        if (not x_from.is_cuda or x_from.dtype != torch.bfloat16 or x_from.shape != x.shape or not _aligned(x_from)
+                or x_from.device != x.device or x_from.stride(0) != x.stride(0)):
+            return "x_from must be a 16-byte aligned bf16 tensor of x's shape and row stride on the GPU"
+        if _overlap(x_from, x):
+            return "x_from and x overlap (the out-of-place residual reads one and writes the other)"
     for name, t in (("x", x), ("other", other), ("gate", gate)):
         if t is not None and (not t.is_cuda or t.dtype != torch.bfloat16 or t.dim() != 2 or not _aligned(t)
                               or t.device != x.device):
@@ -719,15 +737,17 @@ def _scratch_norm(x: torch.Tensor, stream: int) -> RmsNorm:
 def post_norm_residual_(x: torch.Tensor, other: torch.Tensor, other_weight: torch.Tensor, other_eps: float,
                         gate: torch.Tensor | None, mod_index: torch.Tensor | None, *,
                         next_norm: RmsNorm | None = None, next_modulation: Modulation | None = None,
-                        global_scale_out: torch.Tensor | None = None) -> torch.Tensor:
+                        global_scale_out: torch.Tensor | None = None,
+                        x_from: torch.Tensor | None = None) -> torch.Tensor:
     """In place, with ComfyUI's roundings (Z-Image's ``x + apply_gate(tanh(gate), norm2(other))``):
     ``x[r] = bf16(x[r] + bf16(gate[mod_index[r]] * n[r]))``, ``n = bf16(w * (rstd * other))`` torch's CUDA
     ``rms_norm(other, w, other_eps)``; without a gate ``x[r] = bf16(x[r] + n[r])`` (its refiner blocks). ``gate``:
     bf16 rows (the tanh of the adaLN gate, computed by torch). With ``next_norm`` the same pass also does
     :func:`norm_statistics` of the new x (a gated residual hands on to a scale-only ``next_modulation``, an ungated
-    one to none). One read of x and other, one write of x."""
+    one to none). ``x_from``: out of place, ``x[r] = bf16(x_from[r] + ...)`` (x's row stride, no overlap; x is
+    only written). One read of x (or x_from) and other, one write of x."""
     reason = post_norm_residual_support(x, other, other_weight, gate, next_norm=next_norm,
-                                        next_modulation=next_modulation)
+                                        next_modulation=next_modulation, x_from=x_from)
     if reason is not None:
         raise ValueError(reason)
     if gate is not None and (mod_index is None or mod_index.dtype != torch.int32 or mod_index.shape != (x.shape[0],)):
@@ -746,9 +766,10 @@ def post_norm_residual_(x: torch.Tensor, other: torch.Tensor, other_weight: torc
         kernel = f"fused_post_norm_residual_{stage}stats"
     else:
         kernel = f"fused_post_norm_residual_{stage}" + ("amax_scale" if gate is not None else "amax_norm")
-    _row_norm_launch(kernel, x, next_norm if next_norm is not None else _scratch_norm(x, stream), other=other,
-                     gate=gate, mod_index=mod_index, modulation=next_modulation, global_scale_out=global_scale_out,
-                     other_norm=(other_weight, other_eps))
+    _row_norm_launch(kernel + ("_from" if x_from is not None else ""), x,
+                     next_norm if next_norm is not None else _scratch_norm(x, stream), other=other, gate=gate,
+                     mod_index=mod_index, modulation=next_modulation, global_scale_out=global_scale_out,
+                     other_norm=(other_weight, other_eps), x_from=x_from)
     return x
 
 

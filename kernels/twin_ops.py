@@ -154,19 +154,23 @@ def gated_residual_(x, other, gate, mod_index, *, next_norm=None, next_modulatio
     return x
 
 
-def post_norm_residual_support(x, other, other_weight, gate=None, *, next_norm=None,
-                               next_modulation=None) -> str | None:
+def post_norm_residual_support(x, other, other_weight, gate=None, *, next_norm=None, next_modulation=None,
+                               x_from=None) -> str | None:
     if other.shape != x.shape or (gate is not None and gate.shape[-1] != x.shape[-1]):
         return "shape mismatch"
+    if x_from is not None and (x_from.shape != x.shape or x_from.dtype != x.dtype):
+        return "x_from must have x's shape and dtype"
     if x.dtype != torch.bfloat16 or other.dtype != x.dtype or other_weight.dtype != x.dtype:
         return "the post-norm residual takes bf16 tensors and a bf16 norm weight"
     return None
 
 
 def post_norm_residual_(x, other, other_weight, other_eps, gate, mod_index, *, next_norm=None, next_modulation=None,
-                        global_scale_out=None):
+                        global_scale_out=None, x_from=None):
     """``x += bf16(gate[m] * rms_norm(other))`` (``x += rms_norm(other)`` without a gate): torch's rms_norm, mul and
-    add, each rounding to bf16."""
+    add, each rounding to bf16; with ``x_from`` the sum of ``x_from`` and that, written to ``x``."""
+    if x_from is not None:
+        x.copy_(x_from)
     n = torch.nn.functional.rms_norm(other, (other.shape[-1],), other_weight, other_eps)
     x.add_(n if gate is None else _rows(gate, mod_index).to(x.dtype) * n)
     if next_norm is not None:

@@ -20,7 +20,9 @@ SELFCHECK_ENV = "H3_FUSED_NVFP4_SELFCHECK"
 
 @requires_comfyui
 def test_tiny_run_three_families_bit_identical_and_fully_fused(tmp_path):
-    """Z-Image and FLUX.2 compute in bf16, Wan in fp16 (ComfyUI's choice for it): every call fused in each."""
+    """Z-Image and FLUX.2 compute in bf16, Wan in fp16 (ComfyUI's choice for it): every call fused in each; Z-Image's
+    blocks fused whole (its blocks call their Linears themselves, so the module hooks see none of them), its first
+    forward running the block check."""
     out = tmp_path / "families-tiny.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--families", "z_image,flux2_klein,wan22_14b",
                            "--reps", "1", "--out", str(out)], cwd=REPO_ROOT, capture_output=True, text=True,
@@ -35,7 +37,15 @@ def test_tiny_run_three_families_bit_identical_and_fully_fused(tmp_path):
         assert section["parity"]["first_fused_forward_included"]
         calls = section["calls"]
         assert calls["fused_share"] == 1.0 and calls["stock"] == 0 and calls["nvfp4_linear_calls"] > 0, calls
-        assert calls["every_call_seen_by_the_module_hooks"] and calls["same_in_every_compared_forward"], calls
+        assert calls["same_in_every_compared_forward"], calls
+        if name == "z_image":  # 2 layers + 2 noise-refiner + 2 context-refiner blocks, 5 NVFP4 Linears each
+            assert calls["nvfp4_linear_calls"] == 30 and calls["hooked_module_calls"] == 0, calls
+            assert "second fused forward" in calls["measured_forward"], calls
+            assert section["block_fusion"]["last_compared_forward"] == {
+                "fused": 6, "attention_norm1": 6, "ffn_norm1": 6, "residual": 12, "handoff_in": 3, "handoff_out": 3,
+                "shared_packs": 6}, section["block_fusion"]
+        else:
+            assert calls["every_call_seen_by_the_module_hooks"] and "block_fusion" not in section, calls
         assert section["patch"]["fused_linears"] == section["patch"]["nvfp4_linears"] > 0
         assert section["dtype"] == ("float16" if name == "wan22_14b" else "bfloat16"), (name, section["dtype"])
         assert section["dtype_choice"] == "ComfyUI's choice"
@@ -244,3 +254,178 @@ def test_ncu_child_opens_the_windows_the_parent_expects(bench, force_nvfp4_compu
             windows += 1
     assert windows == bench.expected_windows(arms) == 1 + 2 * 20 + 20
     assert marks.events.count("push") == marks.events.count("pop") == 40
+
+
+@requires_comfyui
+def test_ncu_child_profiles_a_block_fusion_by_blocks(bench, force_nvfp4_compute, clean_models, tmp_path):
+    """Z-Image's fused blocks call their Linears themselves: the child profiles the stock forward by its Linears,
+    then both arms by blocks (a marker before and after each block call), each block call with its exact-fusion
+    floor."""
+    sidecar = tmp_path / "calls.json"
+    args = bench.parse_args(["--tiny", "--families", "z_image", "--ncu-child", str(sidecar)])
+    marks = RecordingMarks()
+    with bench.fam.detection_reads_metadata():
+        assert bench.ncu_child(args, bench.torch.device("cpu"), marks=marks) == 0
+    arms = json.loads(sidecar.read_text())["arms"]
+    assert [(a["arm"], a["scope"]) for a in arms] == [("stock", "forward"), ("stock", "blocks"), ("fused", "blocks")]
+    linear_calls, stock_blocks, fused_blocks = (a["calls"] for a in arms)
+    assert len(linear_calls) == 30 and {c["path"] for c in linear_calls} == {"stock"}
+    order = ["context_refiner.0", "context_refiner.1", "noise_refiner.0", "noise_refiner.1", "layers.0", "layers.1"]
+    assert [c["block"] for c in stock_blocks] == [c["block"] for c in fused_blocks] == order
+    assert all(c["floor_bytes"] > 0 and c["width"] == 256 for c in fused_blocks)
+    assert stock_blocks == fused_blocks  # the same calls, floors included
+    profiling, windows = False, 0
+    for event in marks.events:
+        if event in ("start", "stop"):
+            profiling = event == "start"
+        elif event == "marker":
+            assert profiling, "a marker outside the profiled ranges opens no window"
+            windows += 1
+    assert windows == bench.expected_windows(arms) == (1 + 2 * 30) + 2 * (1 + 2 * 6)
+
+
+# Z-Image at 1024x1024 (layers: 4352 rows of 3840): a made-up profile with the kernel names the H200 runs
+ZR, ZD, ZF = 4352, 3840, 10240
+ZA = ZR * ZD * 2
+MB = 10**6
+
+
+def _zimage_stock_block():
+    """ComfyUI's block, shortened: its norms, modulation, gates, rope, attention, a Linear input path (abs, amax,
+    pack) and the emulated GEMM."""
+    return [("void native::vectorized_layer_norm_kernel<c10::BFloat16, float>", 0, 0),  # none in a lumina block
+            ("void at::native::(anonymous namespace)::vectorized_rms_norm_kernel<c10::BFloat16>", ZA, ZA),
+            ("void native::vectorized_elementwise_kernel<4, native::BinaryFunctor<c10::BFloat16, MulFunctor>>",
+             ZA, ZA),
+            ("void native::vectorized_elementwise_kernel<8, native::AbsFunctor<c10::BFloat16>>", ZA, ZA),
+            ("void native::reduce_kernel<512, 1, native::ReduceOp<c10::BFloat16, MaxNanFunctor>>", ZA, 0),
+            ("void comfy::<unnamed>::quantize_nvfp4_kernel<__nv_bfloat16, __nv_fp4x2_e2m1>", ZA, ZA // 4),
+            ("void comfy::<unnamed>::dequantize_nvfp4_kernel<__nv_fp4x2_e2m1, __nv_bfloat16>", ZA // 4, ZA),
+            ("nvjet_sm90_tst_192x208_64x4_1x2_h_bz_coopB_TNT", ZA, 3 * ZA),
+            ("void comfy::<unnamed>::rope_kernel<__nv_bfloat16>", 2 * ZA, 2 * ZA),
+            ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", 3 * ZA, ZA),
+            ("void native::vectorized_elementwise_kernel<4, native::CUDAFunctor_add<c10::BFloat16>>", 2 * ZA, ZA)]
+
+
+def _zimage_fused_block():
+    return [("nvfp4_pack_norm_scale", ZA, ZA // 4),
+            ("void comfy::<unnamed>::dequantize_nvfp4_kernel<__nv_fp4x2_e2m1, __nv_bfloat16>", ZA // 4, ZA),
+            ("nvjet_sm90_tst_192x208_64x4_1x2_h_bz_coopB_TNT", ZA, 3 * ZA),
+            ("void comfy::<unnamed>::rope_kernel<__nv_bfloat16>", 2 * ZA, 2 * ZA),
+            ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", 3 * ZA, ZA),
+            ("nvfp4_absmax_plain", ZA, 0),
+            ("fused_post_norm_residual_gated_amax_scale", 2 * ZA, ZA),
+            ("void native::vectorized_elementwise_kernel<4, native::BinaryFunctor<float, float, float>>", 0, 0),
+            ("fused_post_norm_residual_gated_stats", 2 * ZA, ZA)]
+
+
+OUTSIDE = [("void native::vectorized_elementwise_kernel<2, native::cos_kernel_cuda>", MB, MB),
+           ("void native::unrolled_elementwise_kernel<native::direct_copy_kernel_cuda>", ZA, ZA)]
+
+
+def block_call(name, floor):
+    return {"block": name, "rows": ZR, "tokens": ZR, "width": ZD, "floor_bytes": floor}
+
+
+@requires_comfyui
+def test_block_profiles_give_the_whole_forward_by_category_against_the_floor(bench, comfyui, monkeypatch):
+    """The parent's side for a block fusion: the stock forward by its Linears (input path + rest), both arms by
+    blocks: non-GEMM non-attention bytes and launches by category (absmax, packs, residual / norm kernels, rope,
+    copies...), the input path and the rest, inside and outside the blocks, the fused blocks over their exact-fusion
+    floor, full depth (the layers x 15 for 2 of 30), the GB10 projection per forward and per 8-step image, and the
+    README table's row."""
+    blocks = ["layers.0", "layers.1"]
+    floor = 10 * ZA
+    stock_linear_windows = [[(SPIN, 0, 0), *stock_linear(ZR, ZD)] for _ in range(2)]
+    stock_forward = [(SPIN, 0, 0), *OUTSIDE, *stock_linear_windows[0], (SPIN, 0, 0), *_zimage_stock_block()[:3],
+                     *stock_linear_windows[1], (SPIN, 0, 0), *OUTSIDE]
+    by_blocks = {arm: [(SPIN, 0, 0), *OUTSIDE] + [k for _ in blocks for k in [(SPIN, 0, 0), *kernels, (SPIN, 0, 0)]]
+                 for arm, kernels in (("stock", _zimage_stock_block()), ("fused", _zimage_fused_block()))}
+    linear_calls = [call("layers.0.attention.qkv", ZR, ZD, "stock"), call("layers.1.attention.qkv", ZR, ZD, "stock")]
+    arms = [{"arm": "stock", "scope": "forward", "calls": linear_calls},
+            {"arm": "stock", "scope": "blocks", "calls": [block_call(b, floor) for b in blocks]},
+            {"arm": "fused", "scope": "blocks", "calls": [block_call(b, floor) for b in blocks]}]
+
+    def fake_run(cmd, **kwargs):
+        sidecar = cmd[cmd.index("--ncu-child") + 1]
+        with open(sidecar, "w") as f:
+            json.dump({"family": "z_image", "arms": arms}, f)
+        return types.SimpleNamespace(returncode=0, stdout=ncu_csv(stock_forward + by_blocks["stock"]
+                                                                  + by_blocks["fused"]), stderr="")
+
+    monkeypatch.setattr(bench.rep.subprocess, "run", fake_run)
+    out = bench.dram_section("z_image", bench.parse_args(["--families", "z_image", "--layers", "2"]))
+    assert "error" not in out, out
+    assert set(out) >= {"stock", "stock_blocks", "fused_blocks", "summary", "whole_forward"} and "fused" not in out
+
+    fused = out["fused_blocks"]["non_gemm_non_attention"]
+    gb = lambda n: round(n / 1e9, 4)  # noqa: E731
+    per_block = {"packs": (ZA + ZA // 4, 1), "absmax": (ZA, 1), "residual_norm_kernels": (6 * ZA, 2),
+                 "rope": (4 * ZA, 1), "scales_alpha": (0, 1)}
+    outside = 2 * MB + 2 * ZA  # before the first block: the timestep embedding's cos, a layout copy
+    assert {g: (v["dram_gb"], v["launches"]) for g, v in fused["by_category"].items()} == {
+        **{g: (gb(2 * b), 2 * n) for g, (b, n) in per_block.items()},
+        "other": (gb(2 * MB), 1), "copies_layout": (gb(2 * ZA), 1)}, fused["by_category"]
+    assert fused["input_path"] == {"launches": 6, "dram_gb": gb(2 * (2 * ZA + ZA // 4)), "ncu_ms": 0.06}
+    assert fused["inside_blocks"]["dram_gb"] == gb(2 * (ZA + ZA // 4 + ZA + 6 * ZA + 4 * ZA))
+    assert fused["outside_blocks"]["dram_gb"] == gb(outside)
+    inside = 2 * (12 * ZA + ZA // 4)
+    assert out["fused_blocks"]["blocks_floor"] == {"floor_gb": gb(2 * floor), "inside_blocks_gb": gb(inside),
+                                                   "inside_blocks_over_floor": round(inside / (2 * floor), 4)}
+    assert fused["per_block_list"] == {"layers": {"calls": 2, "rows_per_call": ZR, "launches": 12,
+                                                  "dram_gb": gb(inside), "floor_gb": gb(2 * floor)}}
+    assert fused["full_depth_gb"] == gb(outside + 15 * inside)  # 30 of 30 layers from 2
+    excluded = out["fused_blocks"]["excluded"]
+    assert excluded["nvfp4_gemm"]["launches"] == 4 and excluded["attention"]["launches"] == 2
+
+    whole = out["whole_forward"]
+    stock = out["stock"]
+    assert whole["stock"]["input_path"] == {k: stock["linear_input_path"][k] for k in ("launches", "dram_gb")}
+    assert whole["stock"]["input_path"]["launches"] == 14  # 7 per stock Linear call
+    assert whole["stock"]["total"]["dram_gb"] == round(
+        stock["linear_input_path"]["dram_gb"] + stock["rest_of_forward"]["non_gemm_non_attention"]["dram_gb"], 4)
+    assert whole["fused"]["total"] == {"launches": fused["launches"], "dram_gb": fused["dram_gb"]}
+    assert whole["fused_over_stock"] == round(fused["dram_gb"] / whole["stock"]["total"]["dram_gb"], 4)
+    assert whole["blocks_exact_fusion_floor"]["within_10pct"] is False  # 1.23x: flagged
+    assert whole["stock_by_blocks_total"]["launches"] == out["stock_blocks"]["non_gemm_non_attention"]["launches"]
+    gb10 = whole["gb10_at_232_gbs"]
+    assert gb10["per_forward_ms"]["fused"] == round(fused["dram_gb"] / 232 * 1e3, 3)
+    assert gb10["per_8_step_image_s"]["fused"] == round(gb10["per_forward_ms"]["fused"] * 8 / 1e3, 3)
+    assert gb10["full_depth_per_forward_ms"]["fused"] == round(fused["full_depth_gb"] / 232 * 1e3, 3)
+    assert out["summary"]["linear_input_gb"]["fused"] == fused["input_path"]["dram_gb"]
+    assert out["summary"]["fused_calls_bytes_over_floor"] is None and "note" in out["summary"]
+
+    section = {"title": "Z-Image Turbo", "load": {"model_class": "NextDiT"}, "depth": "2 of 30 n_layers",
+               "resolution_w_h_frames": [1024, 1024, 1], "dtype": "bfloat16",
+               "parity": {"total_differing_elements": 0}, "calls": {"fused": 30, "nvfp4_linear_calls": 30},
+               "dram": out}
+    table = bench.readme_table([{"families": {"z_image": section}}])
+    assert len(table) == 3 and table[2].startswith("| Z-Image Turbo (NextDiT) | 2 of 30 n_layers, 1024x1024, "
+                                                   "bfloat16 | 0 differing | 30 of 30 | "), table
+    assert f"-> **{fused['input_path']['dram_gb']:.2f} + {fused['rest']['dram_gb']:.2f} = " in table[2], table
+
+
+@requires_comfyui
+def test_blocks_only_profiles_split_the_stock_forward_by_kernel_name(bench, comfyui, monkeypatch):
+    """``--ncu-blocks-only`` (full depth within ncu's time): the child profiles both arms by blocks only, and the
+    stock forward's input path / rest split comes from kernel names (abs, amax, pack of ComfyUI's Linears)."""
+    blocks = ["layers.0", "layers.1"]
+    arms = [{"arm": arm, "scope": "blocks", "calls": [block_call(b, 10 * ZA) for b in blocks]}
+            for arm in ("stock", "fused")]
+    profile = [k for arm in ("stock", "fused") for k in [(SPIN, 0, 0), *OUTSIDE] + [
+        k for _ in blocks for k in [(SPIN, 0, 0), *(_zimage_stock_block() if arm == "stock" else
+                                                    _zimage_fused_block()), (SPIN, 0, 0)]]]
+
+    def fake_run(cmd, **kwargs):
+        assert "--ncu-blocks-only" in cmd
+        with open(cmd[cmd.index("--ncu-child") + 1], "w") as f:
+            json.dump({"family": "z_image", "arms": arms}, f)
+        return types.SimpleNamespace(returncode=0, stdout=ncu_csv(profile), stderr="")
+
+    monkeypatch.setattr(bench.rep.subprocess, "run", fake_run)
+    out = bench.dram_section("z_image", bench.parse_args(["--families", "z_image", "--ncu-blocks-only"]))
+    assert "error" not in out and "stock" not in out and "summary" not in out, out
+    stock = out["whole_forward"]["stock"]
+    assert stock["input_path"] == {"launches": 6, "dram_gb": round(2 * (2 * ZA + ZA + ZA + ZA // 4) / 1e9, 4)}
+    assert "by kernel name" in stock["how"]
+    assert stock["total"]["dram_gb"] == out["stock_blocks"]["non_gemm_non_attention"]["dram_gb"]

@@ -170,13 +170,15 @@ RESIDUAL_CASES = [(ROWS_1024, DIM, "random"), (2 * ROWS_1024, DIM, "random"), (1
                   (4099, DIM, "quiet_rows"), (301, DIM, "other_specials"), (17, 16, "random")]
 
 
+@pytest.mark.parametrize("place", ["in_place", "from_input"])
 @pytest.mark.parametrize("next_stage", ["none", "stats", "amax"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
 @pytest.mark.parametrize("rows,k,case", RESIDUAL_CASES)
-def test_post_norm_residual_matches_comfyui(rows, k, case, gated, next_stage):
+def test_post_norm_residual_matches_comfyui(rows, k, case, gated, next_stage, place):
     """``x + apply_gate(tanh(gate), norm2(out))`` (gated, the modulated blocks; with timestep_zero_index rows) and
     ``x + norm2(out)`` (the refiner blocks), alone or with the next norm's statistics (and the next projection's
-    amax: scale-modulated after a gated residual, unmodulated after an ungated one), then the next pack."""
+    amax: scale-modulated after a gated residual, unmodulated after an ungated one), then the next pack; in place,
+    or out of place (``x_from``: a poisoned new stream written from the input, which stays as it is)."""
     ops = _ops()
     seed = fresh_seed()
     m = _lumina()
@@ -209,14 +211,16 @@ def test_post_norm_residual_matches_comfyui(rows, k, case, gated, next_stage):
         next_modulation = None
         h = _norm(k, w_next)(stock)
     stock, h = stock.reshape(rows, k), h.reshape(rows, k)
-    fused = x.clone()
+    before = x.clone()
+    fused = x.clone() if place == "in_place" else torch.full_like(x, float("nan"))
     norm = _poisoned_norm(w_next, rows) if next_stage != "none" else None
     g = _nan_scalar() if next_stage == "amax" else None
     ops.post_norm_residual_(fused, out, w2, EPS, gate.tanh() if gated else None, index if gated else None,
                             next_norm=norm, next_modulation=next_modulation if next_stage != "none" else None,
-                            global_scale_out=g)
-    where = f"{'gated' if gated else 'ungated'} {case} [{rows}, {k}] next {next_stage} seed {seed}"
+                            global_scale_out=g, **({"x_from": x} if place == "from_input" else {}))
+    where = f"{'gated' if gated else 'ungated'} {case} [{rows}, {k}] next {next_stage} {place} seed {seed}"
     assert_bit_identical(fused, stock, f"residual {where}")
+    assert_bit_identical(x, before, f"the input afterwards {where}")
     if next_stage == "none":
         return
     _, torch_rstd = torch._fused_rms_norm(stock, [k], w_next, EPS)
@@ -268,7 +272,8 @@ def test_swiglu_pair_pack_matches_comfyui(rows, case, silu, monkeypatch):
 def test_unsupported_inputs_are_refused_with_a_reason():
     """What the kernels cannot take is refused by name (the block then runs ComfyUI's op): fp16 (Z-Image in fp16 runs
     ComfyUI's block), an up tensor of another row stride, a scale-only modulation without its norm, a post-norm
-    residual handing on to a shifted modulation, gate and next modulation with different row indices."""
+    residual handing on to a shifted modulation, gate and next modulation with different row indices, an
+    out-of-place residual whose input overlaps its output or has another shape or row stride."""
     ops = _ops()
     x = random_activation(64, 256)
     weight = torch.ones(256, dtype=torch.bfloat16, device="cuda")
@@ -294,6 +299,12 @@ def test_unsupported_inputs_are_refused_with_a_reason():
                                 next_modulation=ops.Modulation(scale, None, index.clone()))
     with pytest.raises(ValueError, match="needs its norm"):
         ops.post_norm_residual_(x.clone(), x, weight, EPS, scale, index, global_scale_out=_nan_scalar())
+    target = torch.empty_like(x)
+    assert ops.post_norm_residual_support(target, x, weight, scale, x_from=x.clone()) is None
+    assert "overlap" in ops.post_norm_residual_support(x, x, weight, scale, x_from=x)
+    assert "overlap" in ops.post_norm_residual_support(wide[:, :256], x, weight, scale, x_from=wide[:, 256:])
+    assert "row stride" in ops.post_norm_residual_support(target, x, weight, scale, x_from=wide[:, 256:])
+    assert "row stride" in ops.post_norm_residual_support(target, x, weight, scale, x_from=x[:, :128])
     with pytest.raises(ValueError, match="row stride"):
         ops.pack_nvfp4(x, swiglu=True, up=wide[:, :256])
 

@@ -47,7 +47,9 @@ KERNELS_BY_SOURCE = {
                          "fused_row_norm_amax_scale", "fused_row_norm_amax_norm", "fused_modulation_bounds_scale",
                          "fused_norm_bounds",
                          "fused_post_norm_residual_gated_stats", "fused_post_norm_residual_gated_amax_scale",
-                         "fused_post_norm_residual_stats", "fused_post_norm_residual_amax_norm"),
+                         "fused_post_norm_residual_stats", "fused_post_norm_residual_amax_norm",
+                         "fused_post_norm_residual_gated_stats_from", "fused_post_norm_residual_gated_amax_scale_from",
+                         "fused_post_norm_residual_stats_from", "fused_post_norm_residual_amax_norm_from"),
     "rms_rope.cu": ("fused_rms_rope_split_half",),
 }
 # The kernels of a LayerNorm block (Wan): bf16, and fp16 with the _f16 suffix.

@@ -80,6 +80,22 @@ def _post_norm_unrounded(x, other, other_weight, other_eps, gate, mod_index, **n
     return x
 
 
+_post_norm_residual = twin_ops.post_norm_residual_
+
+
+def _post_norm_from_updating_its_input(x, other, other_weight, other_eps, gate, mod_index, x_from=None, **next_norm):
+    """The out-of-place residual computed in the input, then copied: right output, changed input."""
+    if x_from is None:
+        return _post_norm_residual(x, other, other_weight, other_eps, gate, mod_index, **next_norm)
+    _post_norm_residual(x_from, other, other_weight, other_eps, gate, mod_index, **next_norm)
+    return x.copy_(x_from)
+
+
+def _post_norm_from_ignored(x, other, other_weight, other_eps, gate, mod_index, x_from=None, **next_norm):
+    """The out-of-place residual reading the stream it writes instead of its input."""
+    return _post_norm_residual(x, other, other_weight, other_eps, gate, mod_index, **next_norm)
+
+
 def _swiglu_one_rounding(y, up=None):
     return (torch.nn.functional.silu(y.float()) * up.float()).to(torch.bfloat16)
 
@@ -96,6 +112,10 @@ def _rms_norm_rounded_twice(x, norm):
     ("post_norm_residual_gated", "post_norm_residual_", _post_norm_addcmul),
     ("post_norm_residual", "post_norm_residual_", _post_norm_unrounded),
     ("pack_swiglu_pair", "swiglu", _swiglu_one_rounding),
+    ("post_norm_residual_gated", "post_norm_residual_", _post_norm_from_updating_its_input),
+    ("post_norm_residual", "post_norm_residual_", _post_norm_from_updating_its_input),
+    ("post_norm_residual_gated", "post_norm_residual_", _post_norm_from_ignored),
+    ("post_norm_residual", "post_norm_residual_", _post_norm_from_ignored),
 ])
 def test_each_probe_catches_a_wrong_twin(probe, attribute, fault, monkeypatch):
     monkeypatch.setattr(twin_ops, attribute, fault)

@@ -61,7 +61,8 @@ MARKER = "spin_kernel"            # torch.cuda._sleep's kernel: opens each measu
 CATEGORIES = (
     ("fused_absmax", ("nvfp4_absmax",)),
     ("fused_pack", ("nvfp4_pack",)),
-    ("fused_row_norm", ("fused_row_norm", "fused_modulation_bounds")),  # bounds: the amax pass's first launch
+    # residual + norm-statistics kernels (the post-norm residuals too); bounds: the amax pass's first launch
+    ("fused_row_norm", ("fused_row_norm", "fused_post_norm", "fused_modulation_bounds", "fused_norm_bounds")),
     ("fused_gated_residual", ("fused_gated_residual",)),
     ("fused_rms_rope", ("fused_rms_rope",)),
     ("emulation_dequant", ("dequantize_nvfp4",)),

@@ -14,7 +14,8 @@
 //                       `other` (the norm weight w_o, eps other_eps), computed in the same pass: the row is staged
 //                       first, reduced, then combined with x. _stats / _amax_scale / _amax_norm: then the next
 //                       norm's statistics of the new x (and the next projection's amax with the ScaleOnly or
-//                       Unmodulated form), as fused_row_norm_residual_*.
+//                       Unmodulated form), as fused_row_norm_residual_*. _from: the same out of place, x read from
+//                       x_from and the new x written to x (a block's first residual: its input stays as it is).
 //   fused_modulation_bounds, _scale, fused_norm_bounds: per modulation row (one row without a modulation),
 //                       the bounds that let the amax pass skip columns that cannot raise the maximum (see
 //                       bounded_amax), for the ScaleShift, ScaleOnly and Unmodulated forms.
@@ -82,6 +83,7 @@ struct RowNormParams {
     const u16* bound_shift;
     const u16* other_weight; // post-norm residuals: the bf16 [K] weight of the norm of `other`, and its eps
     float other_eps;
+    const u16* x_from;       // the _from post-norm residuals: the stream read (row stride x_row_stride); x is written
 };
 
 struct ModBoundsParams {
@@ -379,23 +381,28 @@ NVFP4_DEVICE void copy_half_row_async(u32 shared_addr, const u16* src, u32 half,
 //   PostNormResidual<true>  bf16(x + bf16(g bf16(w (rstd_o o)))): rms_norm, mul, add (Z-Image's gated residual)
 //   PostNormResidual<false> bf16(x + bf16(w (rstd_o o))): rms_norm, add (Z-Image's refiner blocks)
 // kGated: the kernel reads the gate rows; kNormsOther: it reduces the staged row of `other` first; kBatch: gate
-// (and norm weight) chunks loaded at a time.
+// (and norm weight) chunks loaded at a time; kFrom: x is read from x_from and the new x written to x (out of place:
+// ComfyUI's block returns a new tensor and leaves its input as it is), else x is updated in place.
 struct AddcmulResidual {
-    static constexpr bool kGated = true, kNormsOther = false;
+    static constexpr bool kGated = true, kNormsOther = false, kFrom = false;
     static constexpr int kBatch = RESIDUAL_NORM_BATCH;
     static __device__ __forceinline__ u32 update(u32 x, u32 o, u32 g, u32, float) {
         return pack_bf16x2(gated_add(bf16_lo(x), bf16_lo(o), bf16_lo(g)), gated_add(bf16_hi(x), bf16_hi(o), bf16_hi(g)));
     }
 };
-template <bool Gated>
+template <bool Gated, bool From = false>
 struct PostNormResidual {
-    static constexpr bool kGated = Gated, kNormsOther = true;
+    static constexpr bool kGated = Gated, kNormsOther = true, kFrom = From;
     static constexpr int kBatch = POST_NORM_BATCH;
     static __device__ __forceinline__ u32 update(u32 x, u32 o, u32 g, u32 w, float rstd_other) {
         const u32 n = rms_norm_x2(o, w, rstd_other);
         return bf16x2_add(x, Gated ? bf16x2_mul(g, n) : n);
     }
 };
+
+// Where a residual kernel reads x: the stream it updates, or x_from (Residual::kFrom).
+template <class Residual>
+NVFP4_DEVICE const u16* stream_source(const RowNormParams& p) { return Residual::kFrom ? p.x_from : p.x; }
 
 // torch's rstd of a staged half row pair: each warp sums the squares of its chunks of the row (chunk k at word
 // 128 k of `half_row`), the trees, the two warps' sums exchanged through sums[half][(0, 1)] (one barrier), then
@@ -418,9 +425,9 @@ NVFP4_DEVICE float staged_row_rstd(const u32* half_row, float sums[2][2], u32 ha
     return torch_rstd_of(total, (float)cols, eps);
 }
 
-// x[r] = Residual::update(x[r], other[r], ...), then the statistics (and, Amax, the amax with the modulation form
-// Form) of the new x. The next row's x and other are copied into shared memory while the current one is finished
-// (other during the statistics and amax pass, x after it).
+// x[r] = Residual::update(x[r], other[r], ...) (x_from[r] in place of x[r] where Residual::kFrom), then the
+// statistics (and, Amax, the amax with the modulation form Form) of the new x. The next row's x and other are copied
+// into shared memory while the current one is finished (other during the statistics and amax pass, x after it).
 template <class Residual, bool Amax, class Form>
 __device__ __forceinline__ void residual_norm_body(const RowNormParams& p) {
     const u32 lane = threadIdx.x & 31, half = threadIdx.x >> 5;
@@ -439,7 +446,7 @@ __device__ __forceinline__ void residual_norm_body(const RowNormParams& p) {
 #define ROW_AT(r) (rows - 1 - (r))
     u32 row = blockIdx.x, parity = 0;
     if (row < rows) {
-        copy_half_row_async(x_shared, p.x + (i64)ROW_AT(row) * p.x_row_stride, half, lane, cols);
+        copy_half_row_async(x_shared, stream_source<Residual>(p) + (i64)ROW_AT(row) * p.x_row_stride, half, lane, cols);
         copy_half_row_async(other_shared, p.other + (i64)ROW_AT(row) * p.other_row_stride, half, lane, cols);
     }
     commit_copies();
@@ -482,7 +489,7 @@ __device__ __forceinline__ void residual_norm_body(const RowNormParams& p) {
             }
         }
         if (next < rows) copy_half_row_async(other_shared, p.other + (i64)ROW_AT(next) * p.other_row_stride, half, lane, cols);
-        if (!Amax && next < rows) copy_half_row_async(x_shared, p.x + (i64)ROW_AT(next) * p.x_row_stride, half, lane, cols);
+        if (!Amax && next < rows) copy_half_row_async(x_shared, stream_source<Residual>(p) + (i64)ROW_AT(next) * p.x_row_stride, half, lane, cols);
         commit_copies();
         // lane 0 ends with torch's warp 2 half, lane 16 with warp 2 half + 1
         half_warp_tree<2>(part);
@@ -499,7 +506,7 @@ __device__ __forceinline__ void residual_norm_body(const RowNormParams& p) {
         const float rstd = torch_rstd_of(total, (float)cols, p.eps);
         if (threadIdx.x == 0) p.rstd[ROW_AT(row)] = rstd;
         if (Amax) acc = bounded_amax<RESIDUAL_AMAX_BATCH, 2, Form>(acc, staged, p, m, rstd, half, lane);
-        if (Amax && next < rows) copy_half_row_async(x_shared, p.x + (i64)ROW_AT(next) * p.x_row_stride, half, lane, cols);
+        if (Amax && next < rows) copy_half_row_async(x_shared, stream_source<Residual>(p) + (i64)ROW_AT(next) * p.x_row_stride, half, lane, cols);
         commit_copies();
     }
     wait_copies();
@@ -878,3 +885,8 @@ extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NOR
 extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) fused_post_norm_residual_gated_amax_scale(const RowNormParams p) { residual_norm_body<PostNormResidual<true>, true, ScaleOnly>(p); }
 extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) fused_post_norm_residual_stats(const RowNormParams p) { residual_norm_body<PostNormResidual<false>, false, Unmodulated>(p); }
 extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) fused_post_norm_residual_amax_norm(const RowNormParams p) { residual_norm_body<PostNormResidual<false>, true, Unmodulated>(p); }
+// The same out of place (the first residual of a block: read the block's input from x_from, write a new stream).
+extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) fused_post_norm_residual_gated_stats_from(const RowNormParams p) { residual_norm_body<PostNormResidual<true, true>, false, ScaleOnly>(p); }
+extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) fused_post_norm_residual_gated_amax_scale_from(const RowNormParams p) { residual_norm_body<PostNormResidual<true, true>, true, ScaleOnly>(p); }
+extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) fused_post_norm_residual_stats_from(const RowNormParams p) { residual_norm_body<PostNormResidual<false, true>, false, Unmodulated>(p); }
+extern "C" __global__ void __launch_bounds__(RESIDUAL_NORM_THREADS, RESIDUAL_NORM_MIN_CTAS) fused_post_norm_residual_amax_norm_from(const RowNormParams p) { residual_norm_body<PostNormResidual<false, true>, true, Unmodulated>(p); }

@@ -4,8 +4,9 @@ Each probe runs a fused op on small probe tensors and ComfyUI's own op sequence 
 the same input, and compares the bytes (core/probes.py has the comparison and the hard activations): the
 normalized pack with the scale-only modulation against ComfyUI's RMSNorm module, lumina's ``modulate`` and
 ComfyUI's quantizer; the same without a modulation (the refiner blocks); the post-norm residual against ``x +
-apply_gate(tanh(gate), norm2(out))`` and ``x + norm2(out)`` followed by the next norm's pack; the SwiGLU of two
-tensors against ``FeedForward._forward_silu_gating``. Z-Image's width (3840) and another one (the norm reduction
+apply_gate(tanh(gate), norm2(out))`` and ``x + norm2(out)`` (in place, and out of place into a new stream, its input
+left as it is) followed by the next norm's pack; the SwiGLU of two tensors against
+``FeedForward._forward_silu_gating``. Z-Image's width (3840) and another one (the norm reduction
 depends on K), two batch entries of 37 tokens (rows not a multiple of 16), adaLN rows as the views of one adaLN
 output that ComfyUI's ``chunk(4)`` makes, with and without ``timestep_zero_index``, rows with zeros, -0.0, outliers,
 tiny and heavy-tailed values, dynamic and static global scales. The norm weights of the dynamic cases are chosen so
@@ -168,27 +169,48 @@ def _check_post_norm_residual(backend, device, gated: bool) -> str | None:
                 stock = x + norm2(out)
                 next_modulation = None
                 stock_h = comfy_rms_norm(k, next_weight, EPS)(stock)
-            what = f"{'gated' if gated else 'ungated'} post-norm residual, {label}"
             gate_table = gate.tanh() if gated else None  # ComfyUI's own op on the small [rows, k] gate
-            alone = _rows2d(x).clone()
-            backend.post_norm_residual_(alone, _rows2d(out), norm2_weight, EPS, gate_table, index if gated else None)
-            diff = first_difference(f"{what}, output", alone, _rows2d(stock))
-            if diff:
-                return diff
-            fused = _rows2d(x).clone()
-            norm = RmsNorm(next_weight, EPS, torch.empty(fused.shape[0], dtype=torch.float32, device=device))
-            g = torch.empty(1, dtype=torch.float32, device=device)
-            backend.post_norm_residual_(fused, _rows2d(out), norm2_weight, EPS, gate_table, index if gated else None,
-                                        next_norm=norm, next_modulation=next_modulation, global_scale_out=g)
-            diff = first_difference(f"{what} with the next norm's statistics, output", fused, _rows2d(stock))
-            if diff:
-                return diff
-            packed = backend.pack_nvfp4(fused, global_scale=g, modulation=next_modulation, norm=norm)
-            diff = compare_packed(f"{what}, the next projection's pack", packed, comfy_quantized(_rows2d(stock_h),
-                                                                                                   None))
-            if diff:
-                return diff
+            for out_of_place in (False, True):  # in place, and a new stream read from the input (x_from)
+                what = (f"{'gated' if gated else 'ungated'} post-norm residual"
+                        f"{' out of place' if out_of_place else ''}, {label}")
+                diff = _check_one_post_norm_residual(backend, device, what, x, out, norm2_weight, gate_table,
+                                                     index if gated else None, next_weight, next_modulation, stock,
+                                                     stock_h, out_of_place)
+                if diff:
+                    return diff
     return None
+
+
+def _check_one_post_norm_residual(backend, device, what, x, out, norm2_weight, gate_table, index, next_weight,
+                                  next_modulation, stock, stock_h, out_of_place: bool) -> str | None:
+    """The residual alone, then with the next norm's statistics, amax and pack; ``out_of_place``: into a poisoned
+    new stream from an input that must stay as it is."""
+    x_rows = _rows2d(x)
+    before = x_rows.clone()
+
+    def target():
+        return torch.full_like(x_rows, float("nan")) if out_of_place else x_rows.clone()
+
+    source = {"x_from": x_rows} if out_of_place else {}
+    alone = target()
+    backend.post_norm_residual_(alone, _rows2d(out), norm2_weight, EPS, gate_table, index, **source)
+    diff = first_difference(f"{what}, output", alone, _rows2d(stock))
+    if diff:
+        return diff
+    fused = target()
+    norm = RmsNorm(next_weight, EPS, torch.empty(fused.shape[0], dtype=torch.float32, device=device))
+    g = torch.empty(1, dtype=torch.float32, device=device)
+    backend.post_norm_residual_(fused, _rows2d(out), norm2_weight, EPS, gate_table, index, next_norm=norm,
+                                next_modulation=next_modulation, global_scale_out=g, **source)
+    diff = first_difference(f"{what} with the next norm's statistics, output", fused, _rows2d(stock))
+    if diff:
+        return diff
+    if out_of_place:
+        diff = first_difference(f"{what}, its input afterwards", x_rows, before)
+        if diff:
+            return diff
+    packed = backend.pack_nvfp4(fused, global_scale=g, modulation=next_modulation, norm=norm)
+    return compare_packed(f"{what}, the next projection's pack", packed, comfy_quantized(_rows2d(stock_h), None))
 
 
 def check_post_norm_residual_gated(backend, device) -> str | None:
