@@ -53,7 +53,8 @@ def _grouped(reasons: dict[str, str]) -> dict[str, list[str]]:
 
 
 def build(diffusion_model, scope: str = "block") -> FamilyPatches | None:
-    """The Wan patches of every matched block (None: no Wan block with an NVFP4 Linear); no side effects."""
+    """The Wan patches of every matched block (None: not a Wan model, or one without a block the fused block takes
+    or leaves on ComfyUI's forward for a reason the node shows); no side effects."""
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
     found = find_wan_blocks(diffusion_model)
@@ -80,7 +81,7 @@ def build(diffusion_model, scope: str = "block") -> FamilyPatches | None:
             previous.next = block
         patches[f"{blk.prefix}.forward"] = block
         previous = block
-    if not patches:
+    if not patches and not found.left:
         return None
     description = f"{blocks} Wan blocks" + (_notes(found, blocks) if scope == "block" else "")
 
