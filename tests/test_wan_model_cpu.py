@@ -69,22 +69,23 @@ def wan_model(comfyui, monkeypatch, clean_models):
 
 
 def inputs(patcher, *, batch: int = 1, timesteps=(600.0,), frames_t: bool = False, seed: int = 5, size=(64, 48, 5),
-           **extra):
+           text: int = 7, device="cpu", **extra):
     """``(args, kwargs)`` of the diffusion model's forward as ComfyUI's apply_model passes them (latents and text in
-    the compute dtype, float timesteps): ``batch`` items, one timestep each, or with ``frames_t`` one per latent
-    frame (Wan 2.2 5B with a denoise mask)."""
+    the compute dtype, float timesteps) at ``size`` (width, height, frames in pixels): ``batch`` items, one timestep
+    each, or with ``frames_t`` one per latent frame (Wan 2.2 5B with a denoise mask)."""
     dm, dtype = patcher.model.diffusion_model, patcher.model.get_dtype_inference()
     gen = torch.Generator().manual_seed(seed)
     stride = 16 if dm.out_dim == 48 else 8
     w, h, frames = size
     latent_frames = 1 + (frames - 1) // 4
     x = torch.randn((batch, dm.patch_embedding.in_channels, latent_frames, h // stride, w // stride), generator=gen)
-    context = torch.randn((batch, 7, dm.text_embedding[0].in_features), generator=gen)
+    context = torch.randn((batch, text, dm.text_embedding[0].in_features), generator=gen)
     t = torch.tensor(timesteps, dtype=torch.float32)
     if frames_t:
-        t = t.view(batch, 1) - torch.arange(latent_frames, dtype=torch.float32) * 37.0
-    kwargs = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in extra.items()}
-    return (x.to(dtype), t, context.to(dtype)), kwargs
+        t = t.view(batch, 1) * (1 - torch.arange(latent_frames, dtype=torch.float32) / (2 * latent_frames))
+    kwargs = {k: v.to(device, dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+              for k, v in extra.items()}
+    return (x.to(device, dtype), t.to(device), context.to(device, dtype)), kwargs
 
 
 def forward(patcher, call, options=None, loaded=None) -> torch.Tensor:

@@ -115,7 +115,8 @@ class FusedWanBlock(FusedBlock):
         self.qkv = SharedInput(qkv, f"{name}.self_attn.qkv") if qkv else None
         self.qkv_scale_layer = next((f for f in qkv if f.dynamic_scale()), None)  # reduced in the residual if any
         self.image_cross_attention = type(block.cross_attn).forward is self.module.WanI2VCrossAttention.forward
-        self.context_img_len_default = inspect.signature(self.stock_forward).parameters["context_img_len"].default
+        parameter = inspect.signature(self.stock_forward).parameters.get("context_img_len")
+        self.context_img_len_default = None if parameter is None else parameter.default
 
     def __call__(self, x, e, freqs, context, context_img_len=UNSET, transformer_options={}, **kwargs):
         if context_img_len is UNSET:
