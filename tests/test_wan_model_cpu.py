@@ -422,3 +422,39 @@ def test_a_reshaped_block_is_left_alone(comfyui):
     assert [b.index for b in found.blocks] == [0]
     assert found.left == {"blocks.1": "norm1 / norm2 are not LayerNorms without affine parameters over the hidden "
                                       "size"}
+
+
+# An op the self-check turned off, and what then stays fused (the count that must drop to 0 is the op's own).
+FALLBACKS = {
+    "layer_norm_f16": ("norm1", "norm3", "norm2", "handoff_out"),  # torch's LayerNorm; the residuals still fused
+    "residual_layer_norm_f16": ("residual",),  # torch's addcmul / add, then the next norm's statistics in a pass
+    "rms_norm_rope_f16": ("rms_norm_rope", "rms_norm"),  # ComfyUI's RMSNorm modules and apply_rope1
+    "pack_layer_norm_modulate_f16": (),  # q / k / v and ffn.0 on ComfyUI's path: their Linears count it
+    "pack_gelu_f16": (),
+}
+
+
+@pytest.mark.parametrize("op", list(FALLBACKS))
+def test_an_op_turned_off_runs_comfyuis_op(wan_model, monkeypatch, op):
+    """Every fused step has ComfyUI's op as its fallback: with one op refused (as a failed self-check refuses it) the
+    model stays bit-identical, that step runs ComfyUI's op (its count stays 0) and the rest stays fused."""
+    from h3_fused_nvfp4.core.plan import ForwardPlan
+
+    patcher = wan_model("wan22_14b", "fp16")
+    call = inputs(patcher, batch=2, timesteps=(450.0, 450.0))
+    stock = forward(patcher, call)
+    real = ForwardPlan.refusal
+    monkeypatch.setattr(ForwardPlan, "refusal", lambda plan, *ops: (
+        "planted: the self-check turned it off" if op in ops else real(plan, *ops)))
+    clone, _ = fused_clone(patcher)
+    assert_bit_identical(forward(clone, call), stock, f"{op} turned off")
+    blocks = fused_blocks(clone)
+    assert all(b.counts["fused"] == 1 for b in blocks.values())
+    for name in FALLBACKS[op]:
+        assert all(b.counts[name] == 0 for b in blocks.values()), (name, [dict(b.counts) for b in blocks.values()])
+    linears = fused_linears(clone)
+    refused = {n for n, v in linears.items() if v.calls_stock}
+    want = {"pack_layer_norm_modulate_f16": {f"blocks.{i}.{p}" for i in range(3) for p in (
+                "self_attn.q", "self_attn.k", "self_attn.v", "ffn.0")},
+            "pack_gelu_f16": {f"blocks.{i}.ffn.2" for i in range(3)}}.get(op, set())
+    assert refused == want, sorted(refused ^ want)
