@@ -352,9 +352,9 @@ class FusedBlock(PackPatch):
         ComfyUI's op into ``out`` where the kernel cannot. Returns whether the statistics were produced."""
         target = x if out is None else out
         stats = next_norm
-        if stats is None:
+        if stats is None:  # the kernels always write statistics; nothing reads these (any eps will do)
+            rstd, _ = self.buffers(x, "scratch")
             mean, _ = self.buffers(x, "scratch mean")
-            rstd, _ = self.buffers(x, "scratch rstd")
             stats = LayerNorm(None, None, 1e-6, mean, rstd)
         reason = plan.refusal(checked_op("residual_layer_norm", x.dtype)) or plan.backend.residual_layer_norm_support(
             x, other, stats, gate=gate, mod_index=index, out=out, next_modulation=next_modulation,
