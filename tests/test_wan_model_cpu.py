@@ -458,3 +458,54 @@ def test_an_op_turned_off_runs_comfyuis_op(wan_model, monkeypatch, op):
                 "self_attn.q", "self_attn.k", "self_attn.v", "ffn.0")},
             "pack_gelu_f16": {f"blocks.{i}.ffn.2" for i in range(3)}}.get(op, set())
     assert refused == want, sorted(refused ^ want)
+
+
+@contextlib.contextmanager
+def answered_as_on_a_gpu():
+    """Tensors say they are CUDA tensors (only while a CUDA wrapper's support check runs)."""
+    real = torch.Tensor.is_cuda
+    torch.Tensor.is_cuda = property(lambda self: True)
+    try:
+        yield
+    finally:
+        torch.Tensor.is_cuda = real
+
+
+@pytest.mark.parametrize("name, dtype, batch", [("wan22_14b", "fp16", 2), ("wan22_5b", "bf16", 1)])
+def test_the_cuda_kernels_take_every_call_of_the_fused_block(wan_model, monkeypatch, name, dtype, batch):
+    """Every call the fused block makes into the fused ops (packs, LayerNorm statistics, residuals, RMSNorm + RoPE)
+    is one the CUDA wrappers take: their support checks (dtypes, shapes, strides, 16-byte alignment of the rows and
+    of the strided modulation tables, one modulation index) answer None for it, the device check answered as on a
+    GPU. A layout the kernels refuse would otherwise only show on the GPU, as a fallback."""
+    from h3_fused_nvfp4.kernels import cuda_ops
+
+    checks = {"pack_nvfp4": ("pack_support", lambda x, **kw: ((x,), {k: v for k, v in kw.items() if k in (
+                  "swiglu", "modulation", "norm", "prescale", "up", "layer_norm", "addcmul_modulation", "gelu")})),
+              "layer_norm_statistics": ("layer_norm_support", lambda x, norm, **kw: ((x, norm), kw)),
+              "residual_layer_norm_": ("residual_layer_norm_support", lambda x, o, n, **kw: ((x, o, n), kw)),
+              "rms_norm_rope_": ("rms_norm_rope_support", lambda q, k, qw, kw_, eps, **kw: ((q, k, qw, kw_), kw))}
+    refused, asked = [], {op: 0 for op in checks}
+
+    def checked(op, real):
+        support, arguments = checks[op]
+
+        def call(*args, **kwargs):
+            a, kw = arguments(*args, **kwargs)
+            with answered_as_on_a_gpu():
+                reason = getattr(cuda_ops, support)(*a, **kw)
+            asked[op] += 1
+            if reason is not None:
+                refused.append((op, reason))
+            return real(*args, **kwargs)
+        return call
+
+    for op in checks:
+        monkeypatch.setattr(twin_ops, op, checked(op, getattr(twin_ops, op)))
+    patcher = wan_model(name, dtype)
+    call = inputs(patcher, batch=batch, timesteps=(600.0, 520.0)[:batch], frames_t=True, size=(64, 64, 5))
+    stock = forward(patcher, call)
+    clone, _ = fused_clone(patcher)
+    assert_bit_identical(forward(clone, call), stock, f"{name} {dtype}")
+    assert not refused, refused
+    assert asked == {"pack_nvfp4": 24, "layer_norm_statistics": 1 + 9, "residual_layer_norm_": 9,
+                     "rms_norm_rope_": 6}, asked  # the twin's residuals make their statistics through its own op
