@@ -39,6 +39,9 @@ VARIANTS = {
                              r"^(vace_)?blocks\.\d+\.((self_attn|cross_attn)\.[qkvo]|ffn\.[02])$", ("num_layers",),
                              True, full={}, tiny=dict(TINY, model_type="vace", num_layers=4, vace_layers=2,
                                                       vace_in_dim=96)),
+    "wan_no_norm3": fam.Family("wan_no_norm3", "Wan without cross_attn_norm", "WanModel", "comfy.ldm.wan.model",
+                               "WAN21_T2V", fam.FAMILIES["wan22_14b"].quantized, ("num_layers",), True, full={},
+                               tiny=dict(TINY, model_type="t2v", num_layers=3, cross_attn_norm=False)),
     "wan21_humo": fam.Family("wan21_humo", "Wan 2.1 HuMo", "HumoWanModel", "comfy.ldm.wan.model", "WAN21_HuMo",
                              r"^blocks\.\d+\.((self_attn|cross_attn)\.[qkvo]|ffn\.[02])$", ("num_layers",), True,
                              full={}, tiny=dict(TINY, model_type="humo", num_layers=2)),
@@ -328,6 +331,23 @@ def test_i2v_image_cross_attention(wan_model):
     assert_fully_fused(clone)
     assert all(fused_linears(clone)[f"blocks.{i}.cross_attn.{p}_img"].calls_fused == 1 for i in range(3)
                for p in "kv")
+
+
+def test_without_cross_attention_norm(wan_model):
+    """cross_attn_norm off (norm3 an Identity): the cross-attention q packs the residual's output itself, a plain
+    pack with its own scale; the residual's statistics go to scratch."""
+    patcher = wan_model("wan_no_norm3", "fp16")
+    assert isinstance(patcher.model.diffusion_model.blocks[0].norm3, torch.nn.Identity)
+    call = inputs(patcher, batch=2, timesteps=(600.0, 600.0))
+    stock = forward(patcher, call)
+    clone, _ = fused_clone(patcher)
+    with pack_sources() as sources:
+        assert_bit_identical(forward(clone, call), stock, "no norm3")
+    block = ["layer_norm_modulate", "plain", "plain", "plain", "plain", "plain", "layer_norm_modulate", "gelu"]
+    assert sources == block * 3, sources
+    counts = [dict(b.counts) for b in fused_blocks(clone).values()]
+    assert all(c["residual"] == 3 and c.get("norm3", 0) == 0 and c["norm2"] == 1 for c in counts), counts
+    assert all(v.calls_fused == 1 and v.calls_stock == 0 for v in fused_linears(clone).values())
 
 
 def test_vace_control_blocks_on_comfyuis_path_and_no_handover_where_vace_adds(wan_model):
