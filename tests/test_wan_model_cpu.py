@@ -529,3 +529,22 @@ def test_the_cuda_kernels_take_every_call_of_the_fused_block(wan_model, monkeypa
     assert not refused, refused
     assert asked == {"pack_nvfp4": 24, "layer_norm_statistics": 1 + 9, "residual_layer_norm_": 9,
                      "rms_norm_rope_": 6}, asked  # the twin's residuals make their statistics through its own op
+
+
+def test_a_block_forward_with_other_arguments_is_left_alone(comfyui, monkeypatch):
+    """A ComfyUI whose WanAttentionBlock.forward takes other arguments than the fused block passes on keeps its
+    blocks on ComfyUI's forward (the fused block would call it wrongly), with the reason."""
+    import comfy.ldm.wan.model as m
+    import comfy.ops
+
+    original = m.WanAttentionBlock.forward
+
+    def forward_with_audio(self, x, e, freqs, context, context_img_len=257, audio=None, transformer_options={}):
+        return original(self, x, e, freqs, context, context_img_len, transformer_options)
+
+    monkeypatch.setattr(m.WanAttentionBlock, "forward", forward_with_audio)
+    config = {k: v for k, v in TINY.items() if k not in ("image_model",)}
+    found = find_wan_blocks(m.WanModel(**config, num_layers=1, dtype=torch.bfloat16, device="meta",
+                                       operations=comfy.ops.disable_weight_init))
+    assert not found.blocks
+    assert found.left == {"blocks.0": "WanAttentionBlock.forward takes other arguments than the fused block passes"}

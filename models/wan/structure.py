@@ -21,12 +21,15 @@ stops there; a forward not listed here (a variant of its own, a custom node's mo
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 
 import torch
 
 from ... import comfy_adapter
 
+# The arguments of WanAttentionBlock.forward the fused block takes and passes on (any other: ComfyUI's forward).
+FORWARD_ARGUMENTS = ("self", "x", "e", "freqs", "context", "context_img_len", "transformer_options")
 # The NVFP4 Linears the fused block calls itself (the cross-attention's k / v of the context, and I2V's image k / v,
 # are ComfyUI's module calls: the core's fused Linear packs them).
 LINEAR_PATHS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "cross_attn.q", "cross_attn.o", "ffn.0",
@@ -95,6 +98,8 @@ def block_refusal(block, module) -> str | None:
     comfy/ldm/wan/model.py), else why it runs ComfyUI's forward."""
     if type(block).forward is not getattr(module.WanAttentionBlock, "forward", None):
         return f"{type(block).__name__} has a forward of its own"
+    if tuple(inspect.signature(module.WanAttentionBlock.forward).parameters) != FORWARD_ARGUMENTS:
+        return "WanAttentionBlock.forward takes other arguments than the fused block passes"
     dim = getattr(block, "dim", None)
     if not isinstance(dim, int):
         return "no hidden size"
