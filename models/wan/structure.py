@@ -198,5 +198,6 @@ def find_wan_blocks(model) -> WanBlocks | None:
 
 
 def block_module(block):
-    """The module that defines ``block``'s class (its helpers and attention function, as its forward sees them)."""
+    """The module that defines ``block``'s class: its ``repeat_e``, ``apply_rope1`` and attention function, as the
+    block's forward sees them."""
     return sys.modules.get(type(block).__module__)
