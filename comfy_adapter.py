@@ -194,13 +194,14 @@ def qk_rms_rope(q_norm, k_norm, q: torch.Tensor, k: torch.Tensor, freqs: torch.T
         comfy.ops.uncast_bias_weight(k_norm, k_weight, None, k_stream)
 
 
-def cast_to(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
+def cast_to(weight: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """ComfyUI's ``cast_to`` (how its blocks take a parameter such as a modulation table onto the device)."""
     try:
         import comfy.model_management
 
-        return comfy.model_management.cast_to(weight, device=device)
+        return comfy.model_management.cast_to(weight, dtype=dtype, device=device)
     except ImportError:
-        return weight.to(device)
+        return weight.to(device=device, dtype=dtype)
 
 
 def cast_to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

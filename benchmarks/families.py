@@ -71,6 +71,14 @@ path / rest split the block profile then gives by kernel name). The README's tab
 
     python benchmarks/families.py [--families z_image,flux2_klein] [--layers 2] [--dtype auto] [--no-ncu] --out F
     python benchmarks/families.py --tiny --out F      # CPU, tiny widths, no ncu: a wiring check, no speed figures
+    python benchmarks/families.py --families wan22_14b --layers 40 --no-ncu --reps 1 --out F  # Wan's full depth:
+        # bits at both sigmas (the first fused forward and its block check included), forward time, peak memory
+    python benchmarks/families.py --families wan22_5b --out F   # Wan 2.2 5B at 1280x704, 121 frames
+
+A family with a block fusion (H3, Wan: its patch describes the fused blocks, ``patch.block_fusion`` in the JSON)
+calls its fused Linears itself, so the module hooks below see only the Linear calls ComfyUI's own code makes; the
+block's fused kernels have categories of their own (tools/report.py ``CATEGORIES``: ``fused_layer_norm`` for the
+LayerNorm statistics alone or inside a residual, ``fused_rms_norm_rope``).
 
 Exit status 0 when every family ran, with 0 differing elements in every compared output.
 """
@@ -123,6 +131,7 @@ PACKS = ("comfy_pack", "fused_pack")
 ACTIVATION_NAMES = ("gelu", "silu", "tanh", "sigmoid")
 REST_GROUPS = {
     "attention": "attention", "rms_norm": "norms", "rms_rope": "rope", "fused_rms_rope": "rope",
+    "fused_rms_norm_rope": "rope", "fused_layer_norm": "fused_residual_norm",
     "mul": "elementwise_mul_add_modulation", "add": "elementwise_mul_add_modulation",
     "addcmul": "elementwise_mul_add_modulation", "swiglu_mul": "elementwise_mul_add_modulation",
     "scale_finalize": "elementwise_mul_add_modulation", "gemm_alpha": "elementwise_mul_add_modulation",
@@ -549,7 +558,8 @@ def measure_family(name: str, args, device: torch.device) -> dict:
     calls = measured["fused"] + measured["stock"]
     section["patch"] = {"summary": patch_report.summary(), "applied": patch_report.applied,
                         "reason": patch_report.reason, "nvfp4_linears": len(linears) or len(recorder.modules),
-                        "fused_linears": len(patch_report.layers), "left_on_comfyui_path": patch_report.left}
+                        "fused_linears": len(patch_report.layers), "left_on_comfyui_path": patch_report.left,
+                        "block_fusion": patch_report.blocks}
     index = per_forward.index(measured)
     section["calls"] = {
         "measured_forward": (f"the {'first' if index == 0 else 'second'} fused forward (sigma {SIGMAS[index]})"

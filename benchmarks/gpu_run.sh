@@ -75,7 +75,7 @@ for step in ${STEPS:-tests report}; do
     emulated) H3_FUSED_NVFP4_EMULATE_BLACKWELL=1 H3_FUSED_NVFP4_CACHE=/tmp/h3_emulated_cache timeout "$STEP_TIMEOUT" \
              python3 -m pytest tests/test_gpu_pack_parity.py tests/test_gpu_block.py tests/test_gpu_selfcheck.py \
              tests/test_gpu_rms_rope.py tests/test_gpu_zimage_kernels.py tests/test_gpu_zimage_model.py \
-             tests/test_gpu_wan_kernels.py -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} \
+             tests/test_gpu_wan_kernels.py tests/test_gpu_wan_block.py -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} \
              > "$OUT/emulated.log" 2>&1; rc=$?
              tail -3 "$OUT/emulated.log" ;;
     report) timeout "$STEP_TIMEOUT" python3 report.py --dram --ncu-timeout 300 --out "$OUT/report.json" > "$OUT/report.log" 2>&1; rc=$?

@@ -5,10 +5,12 @@ its own route through the block; everything around that route is here and knows 
 
 * :mod:`.fused_block` - the block patch: the per-call decision (fused, ComfyUI's block, or the first call's block
   check), the stock arm (this pack's patches lifted from the block's submodules), persistent device workspaces, norm
-  weights through ComfyUI's cast, and the shared steps of a fused route: a norm folded into the next projection's
-  pack (:meth:`~.fused_block.FusedBlock.norm_source`) and the residual kernels that also produce the next norm's
-  statistics (:meth:`~.fused_block.FusedBlock.residual`, and the post-norm residual
-  :meth:`~.fused_block.FusedBlock.post_norm_residual`, in place or out of place);
+  weights through ComfyUI's cast, and the shared steps of a fused route: a norm (RMSNorm, or LayerNorm with an
+  addcmul modulation or its affine parameters) folded into the next projection's pack
+  (:meth:`~.fused_block.FusedBlock.norm_source`) and the residual kernels that also produce the next norm's
+  statistics (:meth:`~.fused_block.FusedBlock.residual`, the post-norm residual
+  :meth:`~.fused_block.FusedBlock.post_norm_residual`, in place or out of place, and
+  :meth:`~.fused_block.FusedBlock.layer_norm_residual`);
 * :mod:`.state` - what the fused blocks of one patched model share: the block check's status and the hand-over of
   norm statistics from one block to the next;
 * :mod:`.check` - the block check (the first fused call compared byte for byte with ComfyUI's block on its real

@@ -33,10 +33,10 @@ from .. import comfy_adapter
 from ..comfy_adapter import allocation_context
 from ..core.calibration import RecordingForward, recording_paused
 from ..core.fallbacks import note_fallback
-from ..core.linear import FusedNVFP4Linear, LinearSource, PackPatch
+from ..core.linear import FusedNVFP4Linear, LinearSource, PackPatch, checked_op
 from ..core.plan import ForwardPlan, block_op, plan_for
 from ..kernels.backend import KernelBuildError
-from ..layout import RmsNorm
+from ..layout import LayerNorm, RmsNorm, source_refusal
 from .check import BlockVerdict, compare_block, record_block_verdict
 from .state import ModelState
 
@@ -47,6 +47,11 @@ BLOCK_CHECK_ROWS = 4096
 
 def capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def is_layer_norm(norm) -> bool:
+    """A LayerNorm module (ComfyUI's LayerNorm op is torch's), with or without affine parameters; else an RMSNorm."""
+    return isinstance(norm, torch.nn.LayerNorm)
 
 
 class FusedBlock(PackPatch):
@@ -197,6 +202,41 @@ class FusedBlock(PackPatch):
             self._workspace[key] = buf
         return buf
 
+    def kept(self, w: torch.Tensor, own: torch.Tensor | None, key) -> torch.Tensor:
+        """``w``, a weight as ComfyUI's cast handed it out, valid for the rest of this forward: the resident parameter
+        ``own`` itself, or a copy (same dtype) in a persistent buffer when the cast handed out a temporary."""
+        if own is not None and w.data_ptr() == own.data_ptr():
+            return w
+        key = (*key, tuple(w.shape), w.device, w.dtype)
+        buf = self._workspace.get(key)
+        if buf is None:
+            with allocation_context():
+                buf = self._workspace.setdefault(key, torch.empty(w.shape, dtype=w.dtype, device=w.device))
+        return buf.copy_(w)
+
+    def layer_norm_params(self, norm, x: torch.Tensor, name: str):
+        """``(weight, bias)`` of LayerNorm module ``norm`` as its forward casts them for ``x`` (None without affine
+        parameters), valid for the rest of this forward (:meth:`kept`); the dtype as cast: a weight torch would
+        combine with the activation in another dtype is refused by the kernels, not converted here."""
+        with comfy_adapter.layer_norm_weights(norm, x) as (w, b):
+            if w is None:
+                return None, None
+            weight = self.kept(w, getattr(norm, "weight", None), ("norm weight", name))
+            bias = self.kept(b, getattr(norm, "bias", None), ("norm bias", name)) if b is not None else None
+            return weight, bias
+
+    def statistics(self, norm, x: torch.Tensor, name: str):
+        """``(statistics, global-scale slot)``: norm module ``norm``'s statistics over the rows of ``x`` as the kernels
+        take them (an RmsNorm, or a LayerNorm with or without its affine parameters), in this block's persistent
+        buffers ``name``, to be written by a statistics or residual kernel; the slot (fp32 [1]) takes the next
+        projection's global scale."""
+        rstd, scalars = self.buffers(x, name)
+        if not is_layer_norm(norm):
+            return RmsNorm(self.norm_weight(norm, x, name), float(norm.eps), rstd), scalars[0:1]
+        mean, _ = self.buffers(x, f"{name} mean")
+        weight, bias = self.layer_norm_params(norm, x, name)
+        return LayerNorm(weight, bias, float(norm.eps), mean, rstd), scalars[0:1]
+
     def norm_weight(self, norm, x: torch.Tensor, name: str) -> torch.Tensor:
         """The norm's weight in the activation dtype, valid for the rest of this forward: the resident parameter
         itself, or a copy in a persistent buffer when ComfyUI's cast hands out a temporary (offloaded weights)."""
@@ -214,43 +254,65 @@ class FusedBlock(PackPatch):
     # ---- shared steps of a fused route ---------------------------------------------------------------------
 
     def fold_refusal(self, x: torch.Tensor, norm, plan: ForwardPlan) -> str | None:
-        """None if RMSNorm module ``norm`` can be folded into the kernels for this input, else why not."""
-        if getattr(norm, "weight", None) is None or tuple(getattr(norm, "normalized_shape", ())) != (x.shape[-1],):
+        """None if norm module ``norm`` (an RMSNorm with its weight, or a LayerNorm with or without affine parameters)
+        can be folded into the kernels for this input, else why not."""
+        if is_layer_norm(norm):
+            if tuple(norm.normalized_shape) != (x.shape[-1],):
+                return "the norm does not normalize over the hidden size"
+        elif getattr(norm, "weight", None) is None or tuple(getattr(norm, "normalized_shape", ())) != (x.shape[-1],):
             return "the norm has no weight over the hidden size"
         if getattr(norm, "weight_function", None) or getattr(norm, "bias_function", None):
             return "the norm weight is patched on the fly"
+        if is_layer_norm(norm):
+            return plan.refusal(checked_op("layer_norm", x.dtype))
         return plan.refusal("rms_norm") or plan.backend.rms_norm_support(x, norm.weight)
+
+    def norm_statistics(self, plan: ForwardPlan, x: torch.Tensor, stats, modulation,
+                        global_scale_out: torch.Tensor | None) -> str | None:
+        """Write ``stats`` (:meth:`statistics`) of the rows of ``x`` in one pass, with ``global_scale_out`` also the
+        next projection's global scale (the norm modulated by ``modulation``, or a LayerNorm with its affine
+        parameters). None when done, else why not (nothing was written)."""
+        try:
+            if isinstance(stats, LayerNorm):
+                reason = plan.refusal(checked_op("layer_norm", x.dtype))
+                if reason is None:
+                    plan.backend.layer_norm_statistics(x, stats, global_scale_out=global_scale_out,
+                                                       modulation=modulation if global_scale_out is not None else None)
+                return reason
+            plan.backend.norm_statistics(x, stats, modulation=modulation, global_scale_out=global_scale_out)
+            return None
+        except (KernelBuildError, ValueError) as exc:
+            return f"norm statistics kernel failed: {exc}"
 
     def norm_source(self, plan: ForwardPlan, x: torch.Tensor, norm, modulation, name: str, layer, incoming,
                     modulate):
-        """``(input, source)`` of the projection after RMSNorm ``norm``: ``x`` normalized (and modulated) on the fly
-        inside the projection's pack, with the statistics handed over by the previous block (``incoming``: its
-        ``norm`` and ``global_scale``) or made here in one statistics pass; or, where the norm cannot fold, torch's
-        norm output with the modulation on the fly. ``modulate(n)`` is ComfyUI's modulation of a norm output (the
-        stock input when the projection refuses); ``layer``: the projection's fused Linear (None: not NVFP4)."""
+        """``(input, source)`` of the projection after norm module ``norm`` (an RMSNorm with a scale-and-shift
+        ``Modulation``, or a LayerNorm with an ``AddcmulModulation`` or its affine parameters and ``modulation``
+        None): ``x`` normalized (and modulated) on the fly inside the projection's pack, with the statistics handed
+        over by the previous block (``incoming``: its ``norm`` and ``global_scale``) or made here in one statistics
+        pass; or, where the norm cannot fold, torch's norm output with the modulation on the fly (or applied by
+        ComfyUI's op where the pack reads that modulation only with its norm). ``modulate(n)`` is ComfyUI's
+        modulation of a norm output (the stock input when the projection refuses); ``layer``: the projection's
+        fused Linear (None: not NVFP4; the scale is reduced here when ``layer.dynamic_scale()``)."""
         reason = self.fold_refusal(x, norm, plan)
         if reason is None and incoming is not None:
             self.counts[name] += 1
             return x, LinearSource(lambda: modulate(norm(x)), modulation=modulation, norm=incoming.norm,
                                    global_scale=incoming.global_scale)
         if reason is None:
-            rstd, scalars = self.buffers(x, name)
             dynamic = layer is not None and layer.dynamic_scale()
-            rms = RmsNorm(self.norm_weight(norm, x, name), float(norm.eps), rstd)
-            try:
-                plan.backend.norm_statistics(x, rms, modulation=modulation,
-                                             global_scale_out=scalars[0:1] if dynamic else None)
-            except (KernelBuildError, ValueError) as exc:
-                reason = f"norm statistics kernel failed: {exc}"
+            stats, slot = self.statistics(norm, x, name)
+            reason = self.norm_statistics(plan, x, stats, modulation, slot if dynamic else None)
             if reason is None:
                 self.counts[name] += 1
-                return x, LinearSource(lambda: modulate(norm(x)), modulation=modulation, norm=rms,
-                                       global_scale=scalars[0:1] if dynamic else None)
-        note_fallback(f"{self.name}.{name}", f"torch's RMSNorm runs: {reason}")
+                return x, LinearSource(lambda: modulate(norm(x)), modulation=modulation, norm=stats,
+                                       global_scale=slot if dynamic else None)
+        kind = "LayerNorm" if is_layer_norm(norm) else "RMSNorm"
+        note_fallback(f"{self.name}.{name}", f"torch's {kind} runs: {reason}")
         n = norm(x)
-        if modulation is not None and modulation.shift is None:
-            # a scale-only modulation is folded together with its norm only: ComfyUI's op applies it here
-            h = modulate(n)
+        if modulation is not None and source_refusal(
+                n, **LinearSource(None, modulation=modulation).pack_arguments()) is not None:
+            h = modulate(n)  # the pack reads this modulation only with its norm folded: ComfyUI's op applies it
             return h, LinearSource(lambda: h)
         return n, LinearSource(lambda: modulate(n), modulation=modulation)
 
@@ -286,13 +348,8 @@ class FusedBlock(PackPatch):
     def _statistics_after_stock(self, plan: ForwardPlan, x, next_norm, next_modulation, global_scale_out) -> bool:
         """After ComfyUI's residual op: the next norm's statistics in their own pass (they still save the norm's
         write and read). Returns whether they were produced."""
-        if next_norm is None:
-            return False
-        try:
-            plan.backend.norm_statistics(x, next_norm, modulation=next_modulation, global_scale_out=global_scale_out)
-            return True
-        except (KernelBuildError, ValueError):
-            return False
+        return next_norm is not None and self.norm_statistics(plan, x, next_norm, next_modulation,
+                                                              global_scale_out) is None
 
     def residual(self, plan: ForwardPlan, x, gate, other, index, next_norm, next_modulation, global_scale_out,
                  stock_gate):
@@ -311,3 +368,35 @@ class FusedBlock(PackPatch):
         note_fallback(f"{self.name} gated residual", reason)
         stock_gate()
         return self._statistics_after_stock(plan, x, next_norm, next_modulation, global_scale_out)
+
+    def layer_norm_residual(self, plan: ForwardPlan, x: torch.Tensor, other: torch.Tensor, next_norm: LayerNorm | None,
+                            stock_residual, *, gate: torch.Tensor | None = None, index: torch.Tensor | None = None,
+                            out: torch.Tensor | None = None, next_modulation=None,
+                            global_scale_out: torch.Tensor | None = None) -> bool:
+        """The residual of a LayerNorm block: ``out = addcmul(x, other, gate[index[r]])`` (``x + other`` without a
+        gate) in the activation dtype, ``out`` defaulting to ``x`` (in place), and in the same pass LayerNorm
+        ``next_norm``'s statistics of the new rows (:meth:`statistics`; with ``global_scale_out`` also the next
+        projection's global scale: the norm followed by ``next_modulation``, or with its affine parameters).
+        ``next_norm`` None: no norm follows (the statistics go to a scratch buffer). ``stock_residual()`` writes
+        ComfyUI's op into ``out`` where the kernel cannot. Returns whether the statistics were produced."""
+        target = x if out is None else out
+        stats = next_norm
+        if stats is None:  # the kernels always write statistics; nothing reads these (any eps will do)
+            rstd, _ = self.buffers(x, "scratch")
+            mean, _ = self.buffers(x, "scratch mean")
+            stats = LayerNorm(None, None, 1e-6, mean, rstd)
+        reason = plan.refusal(checked_op("residual_layer_norm", x.dtype)) or plan.backend.residual_layer_norm_support(
+            x, other, stats, gate=gate, mod_index=index, out=out, next_modulation=next_modulation,
+            global_scale_out=global_scale_out)
+        if reason is None:
+            try:
+                plan.backend.residual_layer_norm_(x, other, stats, gate=gate, mod_index=index, out=out,
+                                                  next_modulation=next_modulation, global_scale_out=global_scale_out)
+                self.counts["residual"] += 1
+                return next_norm is not None
+            except (KernelBuildError, ValueError) as exc:
+                reason = f"kernel failed: {exc}"
+        note_fallback(f"{self.name} residual", reason)
+        stock_residual()
+        return self._statistics_after_stock(plan, target, next_norm, next_modulation, global_scale_out)
+

@@ -10,7 +10,8 @@ the reason once. The fused path is bit-identical to the stock one:
 Activations in bf16 or fp16 (models that compute in fp16, Wan by default): ComfyUI rounds its global scale and the
 ``pre_quant_scale`` product in the activation dtype, and the fp16 kernels do the same; the self-check probes the fp16
 ops separately (``pack_f16``, ``pack_prescale_f16``, ``global_scale_f16``, ``linear_f16``), so a failure there
-turns off only fp16 calls. The fused sources of a model's block (RMSNorm, modulation, SwiGLU) take bf16 only.
+turns off only fp16 calls. The fused sources of an RMSNorm block (RMSNorm, modulation, SwiGLU) take bf16 only,
+those of a LayerNorm block (LayerNorm, addcmul modulation, GELU) bf16 and fp16.
 
 The reduction is skipped where the layer has a static ``input_scale`` or the caller already reduced this input
 (``LinearSource.global_scale``: the block's residual kernels do that for the next projection).
@@ -44,7 +45,15 @@ import torch
 from .. import comfy_adapter
 from ..comfy_adapter import allocation_context, layer_weights
 from ..kernels.backend import KernelBuildError
-from ..layout import NVFP4_LAYOUT, Modulation, PackedActivation, RmsNorm, rows_readable_in_place
+from ..layout import (
+    NVFP4_LAYOUT,
+    AddcmulModulation,
+    LayerNorm,
+    Modulation,
+    PackedActivation,
+    RmsNorm,
+    rows_readable_in_place,
+)
 from .fallbacks import note_fallback
 from .plan import ForwardPlan, plan_for
 
@@ -71,14 +80,15 @@ def full_precision_cause(layer) -> str:
             "dequantized, inputs never quantized")
 
 
-# Activation dtypes the fused Linear takes, and the suffix of the self-check ops that cover each (core/plan.py OPS).
+# Activation dtypes the fused ops take, and the suffix of the self-check ops that cover each (core/plan.py OPS): an
+# op's fp16 form is an op of its own, with its own probe (a bf16 probe says nothing of fp16 arithmetic).
 FUSED_DTYPES = {torch.bfloat16: "", torch.float16: "_f16"}
-FP16_OPS = ("pack", "pack_prescale", "linear")  # the ops with an fp16 probe of their own
 
 
 def checked_op(op: str, dtype: torch.dtype) -> str:
-    """The self-check op that covers ``op`` for activations of ``dtype`` (``pack`` -> ``pack_f16`` for fp16)."""
-    return op + FUSED_DTYPES[dtype] if op in FP16_OPS else op
+    """The self-check op that covers ``op`` for activations of ``dtype`` (``pack`` -> ``pack_f16`` for fp16; a dtype
+    the fused ops do not take keeps the name: their support checks refuse it)."""
+    return op + FUSED_DTYPES.get(dtype, "")
 
 
 def gemm_mode(device: torch.device) -> str:
@@ -117,36 +127,47 @@ def quantized_input(layer, x: torch.Tensor) -> torch.Tensor:
     return x if pqs is None else x * comfy_adapter.cast_to_device(pqs, x.device, x.dtype)
 
 
-def source_op(*, swiglu: bool = False, up: torch.Tensor | None = None, modulation: Modulation | None = None,
-              norm: RmsNorm | None = None, prescale: torch.Tensor | None = None) -> str:
-    """The self-check op of the pack that reads its input through this source (a family's probe set declares the
-    block sources' ops: the SwiGLU of one row or of two tensors, the normalized pack with a scale-and-shift, a
-    scale-only or no modulation, the modulation alone)."""
-    if swiglu:
-        return "pack_swiglu_pair" if up is not None else "pack_swiglu"
-    if norm is not None:
-        if modulation is None:
-            return "pack_norm_unmodulated"
-        return "pack_norm" if modulation.shift is not None else "pack_norm_scale"
-    if modulation is not None:
-        return "pack_modulate"
-    return "pack_prescale" if prescale is not None else "pack"
-
-
 # ---- the per-layer replacement forward ---------------------------------------------------------------------
 
 class LinearSource:
     """What an NVFP4 Linear's pack reads its input through, as a fused block describes it: the raw tensor the caller
-    passes, normalized (``norm``: the norm's statistics already computed on the stream) and/or modulated
-    (``modulation``), with the global scale already reduced on the device (``global_scale``) or not. ``stock()``
-    rebuilds the layer input with ComfyUI's own code when the fused path refuses."""
+    passes, normalized (``norm``: the norm's statistics already computed on the stream, an RMSNorm or a LayerNorm)
+    and/or modulated (``modulation``: the adaLN scale-and-shift of an RMSNorm block, ComfyUI's addcmul of a LayerNorm
+    block), or its GELU (``gelu``), with the global scale already reduced on the device (``global_scale``) or not.
+    ``stock()`` rebuilds the layer input with ComfyUI's own code when the fused path refuses."""
 
-    def __init__(self, stock, *, modulation: Modulation | None = None, norm: RmsNorm | None = None,
-                 global_scale: torch.Tensor | None = None):
+    def __init__(self, stock, *, modulation: Modulation | AddcmulModulation | None = None,
+                 norm: RmsNorm | LayerNorm | None = None, global_scale: torch.Tensor | None = None,
+                 gelu: bool = False):
         self.stock = stock
         self.modulation = modulation
         self.norm = norm
         self.global_scale = global_scale
+        self.gelu = gelu
+
+    @property
+    def layer_norm_form(self) -> bool:
+        """The source of a LayerNorm block (its norm, its addcmul modulation or its GELU)."""
+        return self.gelu or isinstance(self.norm, LayerNorm) or isinstance(self.modulation, AddcmulModulation)
+
+    def pack_arguments(self) -> dict:
+        """The source as the fused ops' ``pack_support`` / ``pack_nvfp4`` take it."""
+        if self.layer_norm_form:
+            return {"layer_norm": self.norm, "addcmul_modulation": self.modulation, "gelu": self.gelu}
+        return {"modulation": self.modulation, "norm": self.norm}
+
+    @property
+    def op(self) -> str:
+        """The self-check op of a pack that reads this source (for bf16 activations; core/linear.py checked_op)."""
+        if self.gelu:
+            return "pack_gelu"
+        if isinstance(self.norm, LayerNorm):
+            return "pack_layer_norm_affine" if self.modulation is None else "pack_layer_norm_modulate"
+        if self.norm is not None:  # an RMSNorm with the adaLN scale-and-shift, the scale alone, or no modulation
+            if self.modulation is None:
+                return "pack_norm_unmodulated"
+            return "pack_norm" if self.modulation.shift is not None else "pack_norm_scale"
+        return "pack_modulate" if self.modulation is not None else "pack"
 
 
 class PackPatch:
@@ -287,8 +308,6 @@ class FusedNVFP4Linear(PackPatch):
         """``(reason, rows, prescale, plan)``: why the fused path cannot take this call (None: it can), the input as
         ``[M, K]`` rows the kernels read, the layer's cast ``pre_quant_scale`` table, and the forward's plan. ``up``:
         a SwiGLU source's up values as ``[M, K]`` rows beside the gates ``x``."""
-        modulation = source.modulation if source is not None else None
-        norm = source.norm if source is not None else None
         reason = self.refusal(x, x.shape[-1] // 2 if swiglu and up is None else x.shape[-1])
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() > 2 else x  # ComfyUI's reshape: a view where it can be one
         if reason is None and source is None and not swiglu and not rows_readable_in_place(x2):
@@ -301,15 +320,16 @@ class FusedNVFP4Linear(PackPatch):
         if reason is None and getattr(self.layer, "pre_quant_scale", None) is not None:
             if swiglu or source is not None:  # the pack reads one source: ComfyUI's ops build this input
                 reason = ("the layer's pre_quant_scale cannot be folded into a pack that already reads a fused "
-                          "SwiGLU / RMSNorm / modulation source")
+                          "SwiGLU / norm / modulation / GELU source")
             else:
                 prescale = self.prescale(x.device, x.dtype)
         if reason is None:
             plan = plan if plan is not None else plan_for(x.device)
-            op = source_op(swiglu=swiglu, up=up, modulation=modulation, norm=norm, prescale=prescale)
+            op = ("pack_swiglu_pair" if swiglu and up is not None else "pack_swiglu" if swiglu else
+                  source.op if source is not None else "pack_prescale" if prescale is not None else "pack")
             reason = (plan.refusal(checked_op(op, x.dtype), checked_op("linear", x.dtype))
-                      or plan.backend.pack_support(x2, swiglu=swiglu, modulation=modulation, norm=norm,
-                                                   prescale=prescale, up=up))
+                      or plan.backend.pack_support(x2, swiglu=swiglu, prescale=prescale, up=up,
+                                                   **(source.pack_arguments() if source is not None else {})))
         return reason, x2, prescale, plan
 
     @staticmethod
@@ -330,8 +350,7 @@ class FusedNVFP4Linear(PackPatch):
         reduced = source.global_scale if (source is not None and static is None) else None
         return backend.pack_nvfp4(
             x2, static_scale=static, global_scale=reduced, weight_scale_2=weight._params.scale.reshape(1),
-            swiglu=swiglu, modulation=source.modulation if source is not None else None,
-            norm=source.norm if source is not None else None, prescale=prescale, up=up,
+            swiglu=swiglu, prescale=prescale, up=up, **(source.pack_arguments() if source is not None else {}),
         )
 
     def shaped(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

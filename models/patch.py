@@ -8,9 +8,10 @@ from ..core import patching
 from ..core.calibration import attach_recorder
 from ..core.patching import SCOPES, PatchReport, apply_comfy, patch_state, patched_scope
 from .h3 import patch as h3
+from .wan import patch as wan
 from .zimage import patch as zimage
 
-FAMILIES = (h3, zimage)  # model families with block fusions, tried in this order
+FAMILIES = (h3, zimage, wan)  # model families with block fusions, tried in this order
 
 __all__ = ["SCOPES", "PatchReport", "apply_calibration", "apply_comfy", "apply_fused", "patch_state",
            "patched_scope"]

@@ -34,9 +34,11 @@ SCOPE_TOOLTIP = (
     "block (fastest): every NVFP4 Linear's activation pack, and on MiniMax H3 the whole block around its NVFP4 "
     "Linears: RMSNorm (norm1 / norm2) folded into the activation packs, adaLN modulation, SwiGLU folded into fc2's "
     "pack (token-refiner blocks too), the gated residuals, per-head RMSNorm + RoPE on q and k, and the hand-over of "
-    "norm statistics between consecutive blocks (other models have no block fusion: block and linears patch the "
-    "same). linears: only replaces each NVFP4 Linear's activation pack (SwiGLU and everything else run ComfyUI's "
-    "ops). Both are bit-identical to ComfyUI."
+    "norm statistics between consecutive blocks; on Wan 2.1 / 2.2 its block the same way: LayerNorm (norm1 / norm2 / "
+    "norm3) folded into the activation packs with the addcmul modulation (one pack for q, k and v), GELU folded into "
+    "ffn.2's pack, the residuals, full-width RMSNorm + RoPE on q and k (other models have no block fusion: block and "
+    "linears patch the same). linears: only replaces each NVFP4 Linear's activation pack (SwiGLU, GELU and "
+    "everything else run ComfyUI's ops). Both are bit-identical to ComfyUI."
 )
 
 
@@ -95,8 +97,8 @@ class H3FusedNVFP4Loader(io.ComfyNode):
             has_intermediate_output=True,  # see _output
             description=(
                 "Loads any diffusion model file exactly like 'Load Diffusion Model' and replaces the activation "
-                "packing of every NVFP4 Linear with a fused CUDA kernel; on MiniMax H3 it also fuses the "
-                "elementwise ops of each block around them. Output is bit-identical to ComfyUI's; models without "
+                "packing of every NVFP4 Linear with a fused CUDA kernel; on MiniMax H3 and Wan it also fuses "
+                "the elementwise ops of each block around them. Output is bit-identical to ComfyUI's; models without "
                 "NVFP4 layers load unchanged."
             ),
             inputs=[
@@ -126,11 +128,12 @@ class H3FusedNVFP4Patch(io.ComfyNode):
             has_intermediate_output=True,  # see _output
             description=(
                 "Applies the fused NVFP4 path to any MODEL from any loader (for example after a LoRA loader): "
-                "every NVFP4 Linear, plus the block fusion on MiniMax H3. Works on a clone; the input model is "
+                "every NVFP4 Linear, plus the block fusion on MiniMax H3 and Wan. Works on a clone; the input model is "
                 "untouched. Models without NVFP4 layers pass through."
             ),
             inputs=[io.Model.Input("model",
-                                   tooltip="Any model; its NVFP4 Linears get fused (MiniMax H3: its blocks too)."),
+                                   tooltip="Any model; its NVFP4 Linears get fused (MiniMax H3, Wan: its blocks "
+                                           "too)."),
                     _scope_input()],
             outputs=[io.Model.Output()],
         )

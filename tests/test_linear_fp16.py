@@ -184,7 +184,7 @@ def test_a_failed_fp16_probe_turns_off_only_fp16_calls(monkeypatch):
 def test_checked_ops_by_dtype():
     assert checked_op("pack", F16) == "pack_f16" and checked_op("pack_prescale", F16) == "pack_prescale_f16"
     assert checked_op("linear", F16) == "linear_f16" and checked_op("pack", torch.bfloat16) == "pack"
-    assert checked_op("pack_swiglu", F16) == "pack_swiglu"
+    assert checked_op("pack_swiglu", F16) == "pack_swiglu_f16"  # no bf16 verdict stands for fp16 arithmetic
     assert {"global_scale_f16", "pack_f16", "pack_prescale_f16", "linear_f16"} <= set(plan.OPS)
     assert set(probes.LINEAR_PROBES.probes) <= set(plan.OPS)
 

@@ -391,11 +391,13 @@ def test_torch_compile_traces_the_stock_path(comfyui):
     assert_bit_identical(eager, stock, "eager fused")
 
 
-# What scope=block fuses (models/h3/block.py: FusedBlock, FusedAttention, FusedSwigluMLP): the tooltip and the README
-# say the same.
+# What scope=block fuses (models/h3/block.py: FusedBlock, FusedAttention, FusedSwigluMLP; models/wan/block.py:
+# FusedWanBlock): the tooltip and the README say the same.
 SCOPE_BLOCK_FUSES = ("RMSNorm (norm1 / norm2) folded into the activation packs", "adaLN modulation", "SwiGLU",
                      "gated residuals", "per-head RMSNorm + RoPE", "hand-over of norm statistics between consecutive "
-                     "blocks")
+                     "blocks", "LayerNorm (norm1 / norm2 / norm3) folded into the activation packs",
+                     "addcmul modulation (one pack for q, k and v)", "GELU folded into ffn.2's pack",
+                     "full-width RMSNorm + RoPE")
 
 
 def test_scope_tooltip_and_readme_name_everything_block_fuses(comfyui):

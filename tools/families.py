@@ -281,9 +281,9 @@ def _h3_state_dict(*, width: str, layers: int | None, seed: int, device: str) ->
 
 # ---- forward inputs ----------------------------------------------------------------------------------------
 
-# Measurement resolutions of the full-width builds: (width, height, frames).
+# Measurement resolutions of the full-width builds: (width, height, frames); Wan 2.2 5B at its own 720p.
 MEASUREMENT = {"z_image": (1024, 1024, 1), "flux2_klein": (1024, 1024, 1), "flux2_dev": (1024, 1024, 1),
-               "wan22_14b": (832, 480, 81), "wan22_5b": (832, 480, 81), "ltx2": (768, 512, 121),
+               "wan22_14b": (832, 480, 81), "wan22_5b": (1280, 704, 121), "ltx2": (768, 512, 121),
                "qwen_image": (1328, 1328, 1), "minimax_h3": (1344, 768, 124)}
 # Tiny sizes (pixels; latents are a few patches wide) and text tokens.
 TINY = {"z_image": (64, 48, 1), "flux2_klein": (64, 48, 1), "flux2_dev": (64, 48, 1), "wan22_14b": (64, 48, 5),

@@ -59,6 +59,8 @@ MARKER = "spin_kernel"            # torch.cuda._sleep's kernel: opens each measu
 
 # Kernel-name fragments -> category (first match wins).
 CATEGORIES = (
+    ("fused_layer_norm", ("fused_layer_norm", "residual_layer_norm")),  # LayerNorm statistics, alone or in a residual
+    ("fused_rms_norm_rope", ("fused_rms_norm_rope", "fused_rms_norm_rows")),  # full-width RMSNorm (+ RoPE), in place
     ("fused_absmax", ("nvfp4_absmax",)),
     ("fused_pack", ("nvfp4_pack",)),
     # residual + norm-statistics kernels (the post-norm residuals too); bounds: the amax pass's first launch
