@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import threading
 
+from .. import comfy_adapter
+from ..core.verdicts import Verdict
+
 BLOCK_CHECK_STATES = ("pending", "passed", "failed", "off")
 
 
@@ -39,3 +42,20 @@ class ModelState:
     @property
     def handoff_pending(self) -> bool:
         return self._handoff is not None
+
+
+def block_check_preparer(states, scope: str):
+    """A family's ``FamilyPatches.prepare`` (core/patching.py) for the model states its fused blocks share: a failed
+    block check on this device refuses the patch; otherwise each state's block check starts passed (the device's
+    verdict already holds one) or pending, and its verdict is shown on the node that patched the model."""
+
+    def prepare(verdict: Verdict) -> str | None:
+        if verdict.block == "failed":
+            return verdict.summary()
+        if scope == "block":
+            for state in states:
+                state.block_check = "passed" if verdict.block == "passed" else "pending"
+                state.node_id = comfy_adapter.executing_node_id()
+        return None
+
+    return prepare

@@ -14,11 +14,10 @@ Matching is structural (models/h3/structure.py); the self-check runs the Linear'
 
 from __future__ import annotations
 
-from ... import comfy_adapter
+from ...blocks.state import block_check_preparer
 from ...core.linear import FusedNVFP4Linear, is_nvfp4_linear
 from ...core.patching import SCOPES, FamilyPatches
 from ...core.probes import LINEAR_PROBES
-from ...core.verdicts import Verdict
 from .attention import FusedAttention
 from .block import FusedDiTBlock, H3State
 from .mlp import FusedSwigluMLP
@@ -67,12 +66,6 @@ def build(diffusion_model, scope: str = "block") -> FamilyPatches | None:
     if not patches:
         return None
 
-    def prepare(verdict: Verdict) -> str | None:
-        if verdict.block == "failed":
-            return verdict.summary()
-        if scope == "block":
-            state.block_check = "passed" if verdict.block == "passed" else "pending"
-            state.node_id = comfy_adapter.executing_node_id()
-        return None
+    prepare = block_check_preparer((state,), scope)
 
     return FamilyPatches(patches, f"{dit} DiT + {refiner} refiner blocks", prepare)

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import collections
 
-from ... import comfy_adapter
+from ...blocks.state import block_check_preparer
 from ...core.linear import FusedNVFP4Linear, is_nvfp4_linear
 from ...core.patching import SCOPES, FamilyPatches
 from ...core.probes import LINEAR_PROBES
-from ...core.verdicts import Verdict
 from .block import FusedWanBlock, WanState
 from .probes import WAN_PROBES
 from .structure import LINEAR_PATHS, find_wan_blocks, submodule
@@ -85,12 +84,6 @@ def build(diffusion_model, scope: str = "block") -> FamilyPatches | None:
         return None
     description = f"{blocks} Wan blocks" + (_notes(found, blocks) if scope == "block" else "")
 
-    def prepare(verdict: Verdict) -> str | None:
-        if verdict.block == "failed":
-            return verdict.summary()
-        if scope == "block":
-            state.block_check = "passed" if verdict.block == "passed" else "pending"
-            state.node_id = comfy_adapter.executing_node_id()
-        return None
+    prepare = block_check_preparer((state,), scope)
 
     return FamilyPatches(patches, description, prepare)

@@ -17,12 +17,10 @@ import collections
 
 import torch
 
-from ... import comfy_adapter
-from ...blocks.state import ModelState
+from ...blocks.state import ModelState, block_check_preparer
 from ...core.linear import FusedNVFP4Linear
 from ...core.patching import SCOPES, FamilyPatches
 from ...core.probes import LINEAR_PROBES
-from ...core.verdicts import Verdict
 from .block import ChainIndex, FusedJointBlock
 from .probes import ZIMAGE_PROBES
 from .structure import BLOCK_LISTS, find_joint_blocks, nvfp4_layers
@@ -71,13 +69,6 @@ def build(diffusion_model, scope: str = "block") -> FamilyPatches | None:
     if not patches:
         return None
 
-    def prepare(verdict: Verdict) -> str | None:
-        if verdict.block == "failed":
-            return verdict.summary()
-        if scope == "block":
-            for state in states.values():
-                state.block_check = "passed" if verdict.block == "passed" else "pending"
-                state.node_id = comfy_adapter.executing_node_id()
-        return None
+    prepare = block_check_preparer(states.values(), scope)
 
     return FamilyPatches(patches, _describe(counts, scope), prepare, block_dtypes=BLOCK_DTYPES)
