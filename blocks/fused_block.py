@@ -330,24 +330,32 @@ class FusedBlock(PackPatch):
             weight = self.norm_weight(other_norm, other, name)
             reason = plan.backend.post_norm_residual_support(x, other, weight, gate, next_norm=next_norm,
                                                              next_modulation=next_modulation, x_from=x_from)
+
+        def stock():
+            if x_from is not None:
+                x.copy_(x_from)
+            stock_residual()
+
+        return self._residual_kernel_or_stock(
+            plan, reason, lambda: plan.backend.post_norm_residual_(
+                x, other, weight, float(other_norm.eps), gate, index, next_norm=next_norm,
+                next_modulation=next_modulation, global_scale_out=global_scale_out, x_from=x_from),
+            f"{self.name} post-norm residual ({name})", stock, x, next_norm, next_modulation, global_scale_out)
+
+    def _residual_kernel_or_stock(self, plan: ForwardPlan, reason, launch, where: str, stock, x, next_norm,
+                                  next_modulation, global_scale_out) -> bool:
+        """A residual step: ``launch()`` (the kernel that also makes the next norm's statistics) where ``reason`` is
+        None, else, or where it fails, ComfyUI's op ``stock()`` with the reason logged and then the statistics in
+        their own pass (they still save the norm's write and read). Returns whether the statistics were produced."""
         if reason is None:
             try:
-                plan.backend.post_norm_residual_(x, other, weight, float(other_norm.eps), gate, index,
-                                                 next_norm=next_norm, next_modulation=next_modulation,
-                                                 global_scale_out=global_scale_out, x_from=x_from)
+                launch()
                 self.counts["residual"] += 1
                 return next_norm is not None
             except (KernelBuildError, ValueError) as exc:
                 reason = f"kernel failed: {exc}"
-        note_fallback(f"{self.name} post-norm residual ({name})", reason)
-        if x_from is not None:
-            x.copy_(x_from)
-        stock_residual()
-        return self._statistics_after_stock(plan, x, next_norm, next_modulation, global_scale_out)
-
-    def _statistics_after_stock(self, plan: ForwardPlan, x, next_norm, next_modulation, global_scale_out) -> bool:
-        """After ComfyUI's residual op: the next norm's statistics in their own pass (they still save the norm's
-        write and read). Returns whether they were produced."""
+        note_fallback(where, reason)
+        stock()
         return next_norm is not None and self.norm_statistics(plan, x, next_norm, next_modulation,
                                                               global_scale_out) is None
 
@@ -357,17 +365,11 @@ class FusedBlock(PackPatch):
         the next projection's global scale into ``global_scale_out``). ``stock_gate()`` is ComfyUI's op, run where
         the kernel cannot. Returns whether the statistics were produced."""
         reason = plan.refusal("gated_residual") or plan.backend.residual_support(x, other, gate, next_norm=next_norm)
-        if reason is None:
-            try:
-                plan.backend.gated_residual_(x, other, gate, index, next_norm=next_norm,
-                                             next_modulation=next_modulation, global_scale_out=global_scale_out)
-                self.counts["residual"] += 1
-                return next_norm is not None
-            except (KernelBuildError, ValueError) as exc:
-                reason = f"kernel failed: {exc}"
-        note_fallback(f"{self.name} gated residual", reason)
-        stock_gate()
-        return self._statistics_after_stock(plan, x, next_norm, next_modulation, global_scale_out)
+        return self._residual_kernel_or_stock(
+            plan, reason, lambda: plan.backend.gated_residual_(
+                x, other, gate, index, next_norm=next_norm, next_modulation=next_modulation,
+                global_scale_out=global_scale_out),
+            f"{self.name} gated residual", stock_gate, x, next_norm, next_modulation, global_scale_out)
 
     def layer_norm_residual(self, plan: ForwardPlan, x: torch.Tensor, other: torch.Tensor, next_norm: LayerNorm | None,
                             stock_residual, *, gate: torch.Tensor | None = None, index: torch.Tensor | None = None,
@@ -379,7 +381,6 @@ class FusedBlock(PackPatch):
         projection's global scale: the norm followed by ``next_modulation``, or with its affine parameters).
         ``next_norm`` None: no norm follows (the statistics go to a scratch buffer). ``stock_residual()`` writes
         ComfyUI's op into ``out`` where the kernel cannot. Returns whether the statistics were produced."""
-        target = x if out is None else out
         stats = next_norm
         if stats is None:  # the kernels always write statistics; nothing reads these (any eps will do)
             rstd, _ = self.buffers(x, "scratch")
@@ -388,15 +389,10 @@ class FusedBlock(PackPatch):
         reason = plan.refusal(checked_op("residual_layer_norm", x.dtype)) or plan.backend.residual_layer_norm_support(
             x, other, stats, gate=gate, mod_index=index, out=out, next_modulation=next_modulation,
             global_scale_out=global_scale_out)
-        if reason is None:
-            try:
-                plan.backend.residual_layer_norm_(x, other, stats, gate=gate, mod_index=index, out=out,
-                                                  next_modulation=next_modulation, global_scale_out=global_scale_out)
-                self.counts["residual"] += 1
-                return next_norm is not None
-            except (KernelBuildError, ValueError) as exc:
-                reason = f"kernel failed: {exc}"
-        note_fallback(f"{self.name} residual", reason)
-        stock_residual()
-        return self._statistics_after_stock(plan, target, next_norm, next_modulation, global_scale_out)
+        return self._residual_kernel_or_stock(
+            plan, reason, lambda: plan.backend.residual_layer_norm_(
+                x, other, stats, gate=gate, mod_index=index, out=out, next_modulation=next_modulation,
+                global_scale_out=global_scale_out),
+            f"{self.name} residual", stock_residual, x if out is None else out, next_norm, next_modulation,
+            global_scale_out)
 
